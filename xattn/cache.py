@@ -1,0 +1,230 @@
+"""The static cross-attention cache: preallocated self-attention K/V + cross-attention K/V computed once.
+
+Rows of the cache are decoding rows (batch x beams or candidates). Cross-attention K/V are stored once per
+*encoder* row and shared by every decoding row that reads that input: beams never copy them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CrossAttentionCache:
+    keys: torch.Tensor  # [layers, B, H, T_max, D] self-attention keys, written in place
+    values: torch.Tensor  # [layers, B, H, T_max, D]
+    cross_keys: torch.Tensor | None  # [layers, B_enc, H, S, D] computed once from the encoder output
+    cross_values: torch.Tensor | None  # [layers, B_enc, H, S, D]
+    cross_mask: torch.Tensor | None  # [B_enc, S] bool, True where the encoder position is real (not padding)
+    length: int = 0  # tokens written so far; positions [0, length) are valid
+    # Encoder row read by each decoding row. None means the regular layout: B = B_enc * group and rows
+    # r*group .. r*group+group-1 read encoder row r (beams, candidates), which needs no gather at all.
+    enc_index: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        batch_size: int,
+        num_heads: int,
+        max_length: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "CrossAttentionCache":
+        # zeros, not empty: masked positions still enter the attention matmul and NaN * 0 is NaN.
+        shape = (num_layers, batch_size, num_heads, max_length, head_dim)
+        return cls(
+            keys=torch.zeros(shape, dtype=dtype, device=device),
+            values=torch.zeros(shape, dtype=dtype, device=device),
+            cross_keys=None,
+            cross_values=None,
+            cross_mask=None,
+        )
+
+    # ---- shape facts --------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def has_cross(self) -> bool:
+        return self.cross_keys is not None
+
+    @property
+    def encoder_batch_size(self) -> int:
+        return 0 if self.cross_keys is None else self.cross_keys.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        """Decoding rows per encoder row in the regular layout."""
+        return self.batch_size // max(self.encoder_batch_size, 1)
+
+    def set_cross(self, cross_keys: torch.Tensor, cross_values: torch.Tensor, cross_mask: torch.Tensor | None):
+        """Store the cross-attention K/V of all layers; called once per encoder output."""
+        b_enc = cross_keys.shape[1]
+        if self.batch_size % b_enc:
+            raise ValueError(
+                f"cache has {self.batch_size} rows, which is not a multiple of the {b_enc} encoder rows; "
+                "pass enc_index to map rows to encoder rows"
+            )
+        self.cross_keys, self.cross_values = cross_keys, cross_values
+        self.cross_mask = None if cross_mask is None else cross_mask.to(torch.bool)
+
+    # ---- row selection (beams, dropping finished rows) ----------------------------------------------
+    def reorder(self, row_index: torch.Tensor) -> None:
+        """Beam reorder: row i takes the self-attention K/V of row row_index[i], in place.
+
+        row_index must keep every row within its encoder group (as beam search does), so the cross K/V
+        and their layout are untouched.
+        """
+        valid = self.length
+        self.keys[:, :, :, :valid].copy_(self.keys[:, :, :, :valid].index_select(1, row_index))
+        self.values[:, :, :, :valid].copy_(self.values[:, :, :, :valid].index_select(1, row_index))
+
+    def select_rows(self, row_index: torch.Tensor) -> "CrossAttentionCache":
+        """A cache holding only the given rows (any subset, any order); cross K/V are shared, not copied."""
+        enc_index = self.encoder_rows()
+        return CrossAttentionCache(
+            keys=self.keys.index_select(1, row_index),
+            values=self.values.index_select(1, row_index),
+            cross_keys=self.cross_keys,
+            cross_values=self.cross_values,
+            cross_mask=self.cross_mask,
+            length=self.length,
+            enc_index=None if enc_index is None else enc_index.index_select(0, row_index),
+        )
+
+    def expand(self, group: int) -> "CrossAttentionCache":
+        """Each row repeated `group` times (N candidates from one prefill); cross K/V stay shared."""
+        enc_index = self.encoder_rows()
+        row_index = torch.arange(self.batch_size, device=self.keys.device).repeat_interleave(group)
+        expanded = self.select_rows(row_index)
+        if enc_index is not None and self.enc_index is None:
+            expanded.enc_index = None  # still the regular layout, with a larger group
+        return expanded
+
+    def encoder_rows(self) -> torch.Tensor | None:
+        """[B] encoder row of each decoding row, or None without cross-attention."""
+        if self.enc_index is not None:
+            return self.enc_index
+        if self.cross_keys is None:
+            return None
+        return torch.arange(self.encoder_batch_size, device=self.keys.device).repeat_interleave(self.group_size)
+
+    # ---- legacy tuples --------------------------------------------------------------------------------
+    def to_legacy(self, cross: bool = False) -> tuple:
+        """GPT-2's old past_key_values: per layer (k, v) [B, H, length, D]; with cross=True (k, v, ck, cv)."""
+        n = self.length
+        if not cross:
+            return tuple((self.keys[i, :, :, :n], self.values[i, :, :, :n]) for i in range(self.num_layers))
+        if self.cross_keys is None:
+            raise ValueError("this cache has no cross-attention K/V; call to_legacy() without cross=True")
+        ck, cv = self._cross_per_row()
+        return tuple(
+            (self.keys[i, :, :, :n], self.values[i, :, :, :n], ck[i], cv[i]) for i in range(self.num_layers)
+        )
+
+    @classmethod
+    def from_legacy(
+        cls,
+        past_key_values,
+        max_length: int,
+        *,
+        cross_mask: torch.Tensor | None = None,
+        dedupe_cross: bool = True,
+    ) -> "CrossAttentionCache":
+        """Rebuild a cache from per-layer (k, v) or (k, v, cross_k, cross_v) tuples, with room for max_length."""
+        layers = list(past_key_values)
+        if not layers or len(layers[0]) not in (2, 4):
+            raise ValueError("past_key_values must hold one (k, v) or (k, v, cross_k, cross_v) tuple per layer")
+        self_kv = [(layer[0], layer[1]) for layer in layers]
+        cross_kv = [(layer[2], layer[3]) for layer in layers] if len(layers[0]) == 4 else None
+        return cls._from_layers(self_kv, cross_kv, max_length, cross_mask, dedupe_cross)
+
+    # ---- transformers' EncoderDecoderCache ------------------------------------------------------------
+    def to_hf(self):
+        """A transformers EncoderDecoderCache (DynamicCache inside) holding the same K/V, per decoding row."""
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        self_cache, cross_cache = DynamicCache(), DynamicCache()
+        n = self.length
+        for i in range(self.num_layers):
+            # clone: transformers' DynamicCache grows by concatenation and must not alias our buffers
+            self_cache.update(self.keys[i, :, :, :n].clone(), self.values[i, :, :, :n].clone(), i)
+        if self.cross_keys is not None:
+            ck, cv = self._cross_per_row()
+            for i in range(self.num_layers):
+                cross_cache.update(ck[i].clone(), cv[i].clone(), i)
+        return EncoderDecoderCache(self_cache, cross_cache)
+
+    @classmethod
+    def from_hf(
+        cls,
+        cache,
+        max_length: int,
+        *,
+        cross_mask: torch.Tensor | None = None,
+        dedupe_cross: bool = True,
+    ) -> "CrossAttentionCache":
+        """Rebuild from a transformers EncoderDecoderCache (or a plain self-attention Cache)."""
+        self_cache = getattr(cache, "self_attention_cache", cache)
+        cross_cache = getattr(cache, "cross_attention_cache", None)
+        self_kv = [(layer.keys, layer.values) for layer in self_cache.layers]
+        cross_kv = None
+        if cross_cache is not None and len(cross_cache.layers) and cross_cache.get_seq_length() > 0:
+            cross_kv = [(layer.keys, layer.values) for layer in cross_cache.layers]
+        return cls._from_layers(self_kv, cross_kv, max_length, cross_mask, dedupe_cross)
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+    def _cross_per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross K/V laid out per decoding row, [layers, B, H, S, D] (a copy; only for interop)."""
+        rows = self.encoder_rows()
+        return self.cross_keys.index_select(1, rows), self.cross_values.index_select(1, rows)
+
+    @classmethod
+    def _from_layers(cls, self_kv, cross_kv, max_length, cross_mask, dedupe_cross) -> "CrossAttentionCache":
+        k0 = self_kv[0][0]
+        batch, heads, length, head_dim = k0.shape
+        if length > max_length:
+            raise ValueError(f"the given cache holds {length} positions, more than max_length={max_length}")
+        cache = cls.allocate(
+            len(self_kv), batch, heads, max_length, head_dim, dtype=k0.dtype, device=k0.device
+        )
+        for i, (k, v) in enumerate(self_kv):
+            cache.keys[i, :, :, :length] = k
+            cache.values[i, :, :, :length] = v
+        cache.length = length
+        if cross_kv is not None:
+            ck = torch.stack([k for k, _ in cross_kv])  # [layers, B, H, S, D]
+            cv = torch.stack([v for _, v in cross_kv])
+            group = _repeated_group(ck, cross_mask) if dedupe_cross else 1
+            # transformers keeps one cross K/V copy per beam; keep one per distinct input instead
+            ck, cv = ck[:, ::group].contiguous(), cv[:, ::group].contiguous()
+            if cross_mask is not None:
+                cross_mask = cross_mask[::group] if cross_mask.shape[0] == batch else cross_mask
+            cache.set_cross(ck, cv, cross_mask)
+        return cache
+
+
+def _repeated_group(cross_keys: torch.Tensor, cross_mask: torch.Tensor | None) -> int:
+    """Largest g such that consecutive runs of g rows hold identical cross K/V (the per-beam copies)."""
+    batch = cross_keys.shape[1]
+    for group in range(batch, 1, -1):
+        if batch % group:
+            continue
+        blocks = cross_keys.unflatten(1, (batch // group, group))
+        if torch.equal(blocks, blocks[:, :, :1].expand_as(blocks)):
+            return group
+    return 1

@@ -1,0 +1,228 @@
+"""A GPT-2 decoder with cross-attention that runs over the weights of a transformers GPT2Model.
+
+No parameter is copied: every projection reads the module's own tensors. The forward pass writes
+self-attention K/V into a CrossAttentionCache in place and reads cross-attention K/V computed once.
+`prefill()` takes a prompt of any length; `decode_step()` takes one token per row with static shapes,
+so it can be compiled with torch.compile(fullgraph=True).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import CrossAttentionCache
+
+
+def _conv1d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+    """transformers' Conv1D (weight [in, out]): the same addmm it runs, so results match bit for bit."""
+    out = torch.addmm(conv.bias, x.reshape(-1, x.shape[-1]), conv.weight)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _layer_norm(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
+    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+
+
+class GPT2CrossAttentionDecoder(nn.Module):
+    """Runs a transformers GPT2Model (optionally with cross-attention) with a static cache.
+
+    transformer: a `GPT2Model` (e.g. `GPT2LMHeadModel.transformer`).
+    lm_head: the output projection (e.g. `GPT2LMHeadModel.lm_head`); None returns final hidden states.
+    embed: optional `(input_ids [B, T], positions [T]) -> [B, T, D]` replacing wte + wpe, for models whose
+        token and position embeddings live outside the GPT2Model (Tortoise/XTTS-style TTS).
+    head: optional `hidden [B, T, D] -> logits` replacing lm_head, applied after ln_f (those models' own
+        final norm + head).
+    """
+
+    def __init__(
+        self,
+        transformer: nn.Module,
+        lm_head: nn.Module | None = None,
+        *,
+        embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        super().__init__()
+        config = transformer.config
+        self.transformer = transformer
+        self.lm_head = lm_head
+        self.custom_embed = embed
+        self.custom_head = head
+        self.num_layers = config.n_layer
+        self.num_heads = config.n_head
+        self.hidden_size = config.n_embd
+        self.head_dim = config.n_embd // config.n_head
+        self.max_positions = config.n_positions
+        self.has_cross_attention = bool(config.add_cross_attention)
+        self.scalings = []
+        for layer_idx in range(self.num_layers):
+            scaling = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+            if config.scale_attn_by_inverse_layer_idx:
+                scaling /= float(layer_idx + 1)
+            self.scalings.append(scaling)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.ln_f.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.ln_f.weight.device
+
+    # ---- the cache --------------------------------------------------------------------------------------
+    def new_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+    ) -> CrossAttentionCache:
+        """Allocate a cache for batch_size decoding rows and fill its cross-attention K/V once.
+
+        encoder_hidden_states: [B_enc, S, D] with batch_size a multiple of B_enc (rows r*g .. r*g+g-1 read
+        encoder row r); encoder_attention_mask: [B_enc, S], 1 for real positions, 0 for padding.
+        """
+        cache = CrossAttentionCache.allocate(
+            self.num_layers, batch_size, self.num_heads, max_length, self.head_dim, dtype=self.dtype,
+            device=self.device,
+        )
+        if encoder_hidden_states is not None:
+            cross_k, cross_v = self.cross_key_values(encoder_hidden_states)
+            cache.set_cross(cross_k, cross_v, encoder_attention_mask)
+        return cache
+
+    @torch.no_grad()
+    def cross_key_values(self, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention K/V of every layer, [layers, B_enc, H, S, D] each."""
+        if not self.has_cross_attention:
+            raise ValueError(
+                "this GPT-2 decoder has no cross-attention layers (config.add_cross_attention=False); "
+                "pass no encoder_hidden_states, or use a model built with add_cross_attention=True"
+            )
+        b, s, _ = encoder_hidden_states.shape
+        keys, values = [], []
+        for block in self.blocks:
+            kv = _conv1d(encoder_hidden_states, block.crossattention.c_attn)  # [B, S, 2*D]
+            k, v = kv.view(b, s, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, S, hd)
+            keys.append(k)
+            values.append(v)
+        return torch.stack(keys).contiguous(), torch.stack(values).contiguous()
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[B, T] ids at positions [T] -> [B, T, D]."""
+        if self.custom_embed is not None:
+            return self.custom_embed(input_ids, positions)
+        return self.transformer.wte(input_ids) + self.transformer.wpe(positions)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = _layer_norm(hidden, self.transformer.ln_f)
+        if self.custom_head is not None:
+            return self.custom_head(hidden)
+        return hidden if self.lm_head is None else self.lm_head(hidden)
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        cache: CrossAttentionCache,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run a prompt ([B, T] ids, or [B, T, D] embeddings to which wpe is added as transformers does)
+        from cache.length on; returns the last position's logits [B, V] (all [B, T, V] with all_logits)."""
+        start = cache.length
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if start + length > cache.max_length:
+            raise ValueError(f"prompt of {length} tokens does not fit the cache ({cache.max_length - start} free)")
+        positions = torch.arange(start, start + length, device=self.device)
+        if inputs_embeds is not None:
+            hidden = inputs_embeds + self.transformer.wpe(positions) if self.custom_embed is None else inputs_embeds
+        else:
+            hidden = self.embed(input_ids, positions)
+        hidden = self.forward_hidden(hidden, cache, positions)
+        cache.length = start + length
+        if not all_logits:
+            hidden = hidden[:, -1:]
+        logits = self.logits(hidden)
+        return logits if all_logits else logits[:, 0]
+
+    def decode_step(
+        self, input_ids: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per row: input_ids [B], position a 0-d long tensor -> logits [B, V].
+
+        Static shapes and no data-dependent branching: compile it with torch.compile(fullgraph=True).
+        The caller advances cache.length (it is host-side bookkeeping, not part of the graph).
+        """
+        positions = position.view(1)
+        hidden = self.embed(input_ids[:, None], positions)
+        hidden = self.forward_hidden(hidden, cache, positions)
+        return self.logits(hidden)[:, 0]
+
+    def forward_hidden(
+        self, hidden: torch.Tensor, cache: CrossAttentionCache, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [B, T, D] at absolute positions [T]; writes K/V at those positions; returns [B, T, D]."""
+        t_max = cache.max_length
+        # (T, T_max): a query at position p sees keys at positions <= p
+        self_mask = torch.arange(t_max, device=hidden.device)[None, :] <= positions[:, None]
+        cross_mask = None
+        if cache.cross_mask is not None:
+            cross_mask = cache.cross_mask[:, None, None, :]  # (B_enc, 1, 1, S)
+        enc_index = cache.enc_index
+        for layer_idx, block in enumerate(self.blocks):
+            hidden = self._block(block, layer_idx, hidden, cache, positions, self_mask, cross_mask, enc_index)
+        return hidden
+
+    def _block(self, block, layer_idx, hidden, cache, positions, self_mask, cross_mask, enc_index):
+        b, t, _ = hidden.shape
+        h, hd = self.num_heads, self.head_dim
+        scaling = self.scalings[layer_idx]
+
+        qkv = _conv1d(_layer_norm(hidden, block.ln_1), block.attn.c_attn)  # (B, T, 3*D)
+        q, k, v = qkv.view(b, t, 3, h, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]  # (B, H, T_max, hd)
+        keys.index_copy_(2, positions, k)
+        values.index_copy_(2, positions, v)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=self_mask, scale=scaling)
+        hidden = hidden + _conv1d(attn.transpose(1, 2).reshape(b, t, h * hd), block.attn.c_proj)
+
+        if cache.cross_keys is not None:
+            x = _layer_norm(hidden, block.ln_cross_attn)
+            q = _conv1d(x, block.crossattention.q_attn).view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
+            ck, cv = cache.cross_keys[layer_idx], cache.cross_values[layer_idx]  # (B_enc, H, S, hd)
+            attn = _shared_cross_attention(q, ck, cv, cross_mask, enc_index, scaling)
+            hidden = hidden + _conv1d(attn.transpose(1, 2).reshape(b, t, h * hd), block.crossattention.c_proj)
+
+        return hidden + block.mlp(_layer_norm(hidden, block.ln_2))
+
+
+def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling):
+    """Attention of q (B, H, T, hd) over cross K/V stored once per encoder row (B_enc, H, S, hd).
+
+    In the regular layout the g = B / B_enc rows of one input become g*T query positions of that input,
+    so the shared K/V are read in place; an arbitrary row selection gathers them instead.
+    """
+    b, h, t, hd = q.shape
+    if enc_index is not None:
+        mask = None if cross_mask is None else cross_mask.index_select(0, enc_index)
+        return F.scaled_dot_product_attention(
+            q, cross_k.index_select(0, enc_index), cross_v.index_select(0, enc_index), attn_mask=mask,
+            scale=scaling,
+        )
+    b_enc = cross_k.shape[0]
+    g = b // b_enc
+    if g == 1:
+        return F.scaled_dot_product_attention(q, cross_k, cross_v, attn_mask=cross_mask, scale=scaling)
+    q = q.view(b_enc, g, h, t, hd).transpose(1, 2).reshape(b_enc, h, g * t, hd)  # (B_enc, H, g*T, hd)
+    out = F.scaled_dot_product_attention(q, cross_k, cross_v, attn_mask=cross_mask, scale=scaling)
+    return out.view(b_enc, h, g, t, hd).transpose(1, 2).reshape(b, h, t, hd)  # (B, H, T, hd)

@@ -1,0 +1,343 @@
+"""Entry points: `from_hf(model)` wraps a transformers model, `load(path)` = from_pretrained + from_hf.
+
+An `XattnModel` runs the model's own encoder (ViT, a speech encoder, or none when the caller supplies
+`encoder_hidden_states`), then decodes with xattn's GPT-2 decoder, static cache and search loops.
+`generate()` takes transformers' keyword names and returns the same tensor layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .cache import CrossAttentionCache
+from .decoder import GPT2CrossAttentionDecoder
+from .generate import GenerationOptions, beam_search, sample_stream
+
+_OPTION_NAMES = (
+    "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+    "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "generator",
+)
+_ENCODER_INPUTS = ("pixel_values", "input_features", "input_values")
+
+
+class XattnModel:
+    """A transformers encoder-decoder (or GPT-2 decoder) driven by xattn's engine."""
+
+    def __init__(
+        self,
+        decoder: GPT2CrossAttentionDecoder,
+        *,
+        encoder: nn.Module | None = None,
+        enc_to_dec_proj: nn.Module | None = None,
+        generation_config=None,
+        hf_model: nn.Module | None = None,
+    ):
+        self.decoder = decoder
+        self.encoder = encoder
+        self.enc_to_dec_proj = enc_to_dec_proj
+        self.generation_config = generation_config
+        self.hf_model = hf_model
+        self.is_encoder_decoder = encoder is not None
+        self._decode_step = decoder.decode_step
+
+    # ---- compilation --------------------------------------------------------------------------------------
+    def compile(self, **compile_kwargs) -> "XattnModel":
+        """Compile the one-token decode step with torch.compile(fullgraph=True); prefill stays eager."""
+        compile_kwargs.setdefault("fullgraph", True)
+        self._decode_step = torch.compile(self.decoder.decode_step, **compile_kwargs)
+        return self
+
+    # ---- encoder ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, attention_mask: torch.Tensor | None = None, **encoder_inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the encoder: (encoder_hidden_states [B, S, D], encoder_attention_mask [B, S] or None)."""
+        if self.encoder is None:
+            raise ValueError("this model has no encoder: pass encoder_hidden_states (+ encoder_attention_mask)")
+        (name, inputs), = encoder_inputs.items()
+        _check_tensor(name, inputs, self.decoder)
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        hidden = self.encoder(inputs, **kwargs)[0]
+        if self.enc_to_dec_proj is not None:
+            hidden = self.enc_to_dec_proj(hidden)
+        mask = None
+        if attention_mask is not None:
+            if hasattr(self.encoder, "_get_feature_vector_attention_mask"):
+                mask = self.encoder._get_feature_vector_attention_mask(hidden.shape[1], attention_mask)
+            elif attention_mask.shape[1] == hidden.shape[1]:
+                mask = attention_mask
+            else:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[1]} input frames but the encoder output has "
+                    f"{hidden.shape[1]} positions and the encoder cannot map one to the other; pass "
+                    "encoder_hidden_states with an encoder_attention_mask instead"
+                )
+        return hidden, mask
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def generate(self, *args, **kwargs) -> torch.Tensor:
+        """Like transformers' generate: sequences [B * num_return_sequences, prompt + new], prompt included."""
+        plan = self._plan(*args, **kwargs)
+        if plan.opts.num_beams > 1:
+            return beam_search(self._decode_step, plan.cache, plan.prompt, plan.logits, plan.opts)[0]
+        steps = sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts)
+        generated = sum(1 for _ in steps)
+        return plan.sequences[:, : plan.prompt_length + generated]
+
+    def stream(self, *args, **kwargs) -> Iterator[torch.Tensor]:
+        """Yield each step's new tokens [B * num_return_sequences] as they are produced (greedy or sampling)."""
+        plan = self._plan(*args, **kwargs)
+        if plan.opts.num_beams > 1:
+            raise ValueError("streaming needs num_beams=1: beam search only knows its best sequence at the end")
+        yield from sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts)
+
+    def _plan(self, inputs: torch.Tensor | None = None, **kwargs) -> "_Plan":
+        kwargs = dict(kwargs)
+        encoder_hidden_states = kwargs.pop("encoder_hidden_states", None)
+        encoder_attention_mask = kwargs.pop("encoder_attention_mask", None)
+        attention_mask = kwargs.pop("attention_mask", None)
+        prompt = kwargs.pop("decoder_input_ids", None)
+        if prompt is None:
+            prompt = kwargs.pop("input_ids", None)
+        encoder_inputs = {name: kwargs.pop(name) for name in _ENCODER_INPUTS if name in kwargs}
+        if inputs is not None:
+            if self.is_encoder_decoder:
+                encoder_inputs[self._main_input_name()] = inputs
+            else:
+                prompt = inputs
+        kwargs.pop("use_cache", None)
+        cache_in = kwargs.pop("past_key_values", None) or kwargs.pop("cache", None)
+        if kwargs.get("decoder_attention_mask") is not None and not bool(kwargs["decoder_attention_mask"].all()):
+            raise ValueError("padded decoder prompts are not supported: give every row the same prompt length")
+        kwargs.pop("decoder_attention_mask", None)
+
+        if len(encoder_inputs) > 1 or (encoder_inputs and encoder_hidden_states is not None):
+            raise ValueError(f"pass one encoder input, got {sorted(encoder_inputs) + (['encoder_hidden_states'] if encoder_hidden_states is not None else [])}")
+        if encoder_inputs:
+            encoder_hidden_states, encoder_attention_mask = self.encode(attention_mask, **encoder_inputs)
+        elif encoder_hidden_states is not None:
+            _check_tensor("encoder_hidden_states", encoder_hidden_states, self.decoder, ndim=3)
+            if encoder_hidden_states.shape[-1] != self.decoder.hidden_size:
+                raise ValueError(
+                    f"encoder_hidden_states has hidden size {encoder_hidden_states.shape[-1]} but the decoder's "
+                    f"cross-attention expects {self.decoder.hidden_size}"
+                )
+            if encoder_attention_mask is not None and encoder_attention_mask.shape != encoder_hidden_states.shape[:2]:
+                raise ValueError(
+                    f"encoder_attention_mask has shape {tuple(encoder_attention_mask.shape)}, expected "
+                    f"{tuple(encoder_hidden_states.shape[:2])} (batch, encoder positions)"
+                )
+        elif self.is_encoder_decoder and cache_in is None:
+            raise ValueError(f"pass {self._main_input_name()} (or encoder_hidden_states) to generate from")
+        if encoder_hidden_states is not None and not self.decoder.has_cross_attention:
+            raise ValueError(
+                "encoder states were given but this GPT-2 decoder has no cross-attention layers "
+                "(config.add_cross_attention=False); drop encoder_hidden_states or load a model with cross-attention"
+            )
+
+        opts, batch, prompt = self._resolve(kwargs, prompt, encoder_hidden_states, cache_in)
+        if encoder_hidden_states is not None and encoder_hidden_states.shape[0] != batch:
+            raise ValueError(
+                f"batch sizes differ: {encoder_hidden_states.shape[0]} encoder rows but {batch} decoder prompts"
+            )
+        group = opts.group_size
+        prompt_length = prompt.shape[1]
+        max_length = prompt_length + opts.max_new_tokens
+        if self.decoder.custom_embed is None and max_length > self.decoder.max_positions:
+            raise ValueError(
+                f"prompt ({prompt_length}) + max_new_tokens ({opts.max_new_tokens}) = {max_length} exceeds the "
+                f"decoder's n_positions ({self.decoder.max_positions}); lower max_new_tokens to at most "
+                f"{self.decoder.max_positions - prompt_length}"
+            )
+
+        if cache_in is not None:
+            cache = _adopt_cache(cache_in, max_length)
+            if cache.batch_size != batch:
+                raise ValueError(f"the given cache holds {cache.batch_size} rows but the prompt has {batch}")
+            done = cache.length
+            logits = self.decoder.prefill(cache, input_ids=prompt[:, done:]) if prompt_length > done else None
+            if logits is None:
+                raise ValueError("the prompt must extend past the cached positions by at least one token")
+        else:
+            cache = self.decoder.new_cache(batch, max_length, encoder_hidden_states, encoder_attention_mask)
+            logits = self.decoder.prefill(cache, input_ids=prompt)
+        if group > 1:  # beams / candidates share the prefill: copy its K/V, never the cross K/V
+            cache = cache.expand(group)
+            logits = logits.repeat_interleave(group, dim=0)
+            prompt = prompt.repeat_interleave(group, dim=0)
+        sequences = torch.full((prompt.shape[0], max_length), opts.pad_token_id or 0, dtype=torch.long,
+                               device=prompt.device)
+        sequences[:, :prompt_length] = prompt
+        return _Plan(opts, cache, prompt, sequences, prompt_length, logits)
+
+    def _resolve(self, kwargs, prompt, encoder_hidden_states, cache_in):
+        """Generation options from kwargs over the model's generation_config over transformers' defaults."""
+        cfg = self.generation_config
+        unknown = set(kwargs) - set(_OPTION_NAMES) - {"max_length", "min_length", "eos_token_id", "pad_token_id",
+                                                      "bos_token_id", "decoder_start_token_id"}
+        if unknown:
+            raise ValueError(f"unsupported generate() arguments: {sorted(unknown)}; supported: "
+                             f"{sorted(_OPTION_NAMES + ('max_length', 'min_length', 'eos_token_id', 'pad_token_id', 'decoder_start_token_id'))}")
+
+        def pick(name, default=None):
+            if kwargs.get(name) is not None:
+                return kwargs[name]
+            value = getattr(cfg, name, None) if cfg is not None else None
+            return default if value is None else value
+
+        if encoder_hidden_states is not None:
+            batch = encoder_hidden_states.shape[0]
+        elif prompt is not None:
+            batch = prompt.shape[0]
+        else:
+            batch = _adopt_cache(cache_in, 1).batch_size if cache_in is not None else 1
+        if prompt is None:
+            start_name = "decoder_start_token_id" if self.is_encoder_decoder else "bos_token_id"
+            start = pick(start_name)
+            if start is None:
+                raise ValueError(f"no prompt given and the model has no {start_name}: pass decoder_input_ids")
+            prompt = torch.full((batch, 1), int(start), dtype=torch.long, device=self.decoder.device)
+        else:
+            _check_tensor("decoder_input_ids", prompt, self.decoder, ndim=2, integer=True)
+
+        eos = pick("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        pad = pick("pad_token_id")
+        if pad is None and eos:
+            pad = eos[0]
+        prompt_length = prompt.shape[1]
+        if kwargs.get("max_new_tokens") is not None:
+            max_new = kwargs["max_new_tokens"]
+        else:
+            max_new = pick("max_length", 20) - prompt_length
+            if kwargs.get("max_length") is None and getattr(cfg, "max_new_tokens", None) is not None:
+                max_new = cfg.max_new_tokens
+        if not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"nothing to generate: max_new_tokens={max_new} (prompt length {prompt_length}); "
+                             "pass max_new_tokens >= 1")
+        min_new = max(pick("min_new_tokens", 0), pick("min_length", 0) - prompt_length)
+        opts = GenerationOptions(
+            max_new_tokens=max_new,
+            min_new_tokens=max(min_new, 0),
+            do_sample=bool(pick("do_sample", False)),
+            temperature=float(pick("temperature", 1.0)),
+            top_k=pick("top_k", 50),
+            top_p=float(pick("top_p", 1.0)),
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            num_beams=pick("num_beams", 1),
+            length_penalty=float(pick("length_penalty", 1.0)),
+            early_stopping=pick("early_stopping", False),
+            num_return_sequences=pick("num_return_sequences", 1),
+            eos_token_id=eos,
+            pad_token_id=None if pad is None else int(pad),
+            generator=kwargs.get("generator"),
+        )
+        return opts, batch, prompt
+
+    def _main_input_name(self) -> str:
+        return getattr(self.encoder, "main_input_name", "pixel_values")
+
+
+class _Plan:
+    """What a generation run starts from: options, the filled cache, the prompt and the first logits."""
+
+    def __init__(self, opts, cache, prompt, sequences, prompt_length, logits):
+        self.opts, self.cache, self.prompt, self.sequences = opts, cache, prompt, sequences
+        self.prompt_length, self.logits = prompt_length, logits
+
+
+def _adopt_cache(cache_in, max_length: int) -> CrossAttentionCache:
+    """Accept an xattn cache, a transformers EncoderDecoderCache/DynamicCache, or legacy tuples."""
+    if isinstance(cache_in, CrossAttentionCache):
+        if cache_in.max_length < max_length:
+            raise ValueError(f"the given cache has room for {cache_in.max_length} positions, {max_length} needed")
+        return cache_in
+    if hasattr(cache_in, "layers") or hasattr(cache_in, "self_attention_cache"):
+        return CrossAttentionCache.from_hf(cache_in, max_length)
+    return CrossAttentionCache.from_legacy(cache_in, max_length)
+
+
+def _check_tensor(name: str, tensor, decoder: GPT2CrossAttentionDecoder, ndim: int | None = None,
+                  integer: bool = False) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if ndim is not None and tensor.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if tensor.device != decoder.device:
+        raise ValueError(f"{name} is on {tensor.device} but the model is on {decoder.device}; "
+                         f"move it with .to('{decoder.device}')")
+    if integer:
+        if tensor.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must hold integer token ids (torch.long), got {tensor.dtype}")
+    elif tensor.dtype != decoder.dtype:
+        raise ValueError(f"{name} has dtype {tensor.dtype} but the model runs in {decoder.dtype}; "
+                         f"convert it with .to({decoder.dtype})")
+
+
+# ---- construction -------------------------------------------------------------------------------------------
+def from_hf(model: nn.Module, lm_head: nn.Module | None = None) -> XattnModel:
+    """Wrap a transformers VisionEncoderDecoderModel, SpeechEncoderDecoderModel, GPT2LMHeadModel or
+    GPT2Model (+ lm_head). No weight is copied."""
+    model.eval()
+    generation_config = getattr(model, "generation_config", None)
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) and hasattr(model, "decoder") and hasattr(model, "encoder"):
+        gpt2 = model.decoder
+        transformer, head = _gpt2_parts(gpt2, lm_head)
+        proj = getattr(model, "enc_to_dec_proj", None)
+        return XattnModel(
+            GPT2CrossAttentionDecoder(transformer, head), encoder=model.encoder, enc_to_dec_proj=proj,
+            generation_config=generation_config, hf_model=model,
+        )
+    transformer, head = _gpt2_parts(model, lm_head)
+    return XattnModel(GPT2CrossAttentionDecoder(transformer, head), generation_config=generation_config,
+                      hf_model=model)
+
+
+def _gpt2_parts(model: nn.Module, lm_head: nn.Module | None):
+    if hasattr(model, "transformer") and hasattr(model.transformer, "h"):
+        return model.transformer, lm_head if lm_head is not None else model.lm_head
+    if hasattr(model, "h") and hasattr(model, "wpe"):
+        return model, lm_head
+    raise ValueError(
+        f"{type(model).__name__} is not a GPT-2 decoder; xattn runs GPT2LMHeadModel / GPT2Model decoders "
+        "(alone or inside VisionEncoderDecoderModel / SpeechEncoderDecoderModel)"
+    )
+
+
+def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+         **from_pretrained_kwargs) -> XattnModel:
+    """from_pretrained (safetensors only, never remote code) + from_hf."""
+    from transformers import AutoConfig
+
+    from_pretrained_kwargs.setdefault("use_safetensors", True)
+    from_pretrained_kwargs.pop("trust_remote_code", None)
+    config = AutoConfig.from_pretrained(path_or_id)
+    model_class = _model_class(config)
+    if dtype is not None:
+        from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
+    model = model_class.from_pretrained(path_or_id, **from_pretrained_kwargs)
+    return from_hf(model.to(device))
+
+
+def _model_class(config):
+    import transformers
+
+    names = {
+        "vision-encoder-decoder": "VisionEncoderDecoderModel",
+        "speech-encoder-decoder": "SpeechEncoderDecoderModel",
+        "gpt2": "GPT2LMHeadModel",
+    }
+    if config.model_type not in names:
+        raise ValueError(
+            f"model_type {config.model_type!r} is not supported; xattn loads {sorted(names)} checkpoints"
+        )
+    return getattr(transformers, names[config.model_type])
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
