@@ -1,0 +1,89 @@
+"""Tiny random models (hidden 32, 2 layers) keep the suite fast; one ViT-B/16 + GPT-2-small test proves the
+real shape. Every model is built from a seed, so a failure reproduces."""
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    SpeechEncoderDecoderConfig,
+    SpeechEncoderDecoderModel,
+    VisionEncoderDecoderConfig,
+    VisionEncoderDecoderModel,
+    ViTConfig,
+    Wav2Vec2Config,
+)
+
+import xattn
+
+VOCAB = 99
+BOS, EOS, PAD = 1, 2, 0
+
+
+def gpt2_config(**overrides) -> GPT2Config:
+    kwargs = dict(
+        n_embd=32, n_layer=2, n_head=4, n_inner=None, vocab_size=VOCAB, n_positions=64, add_cross_attention=True,
+        is_decoder=True, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+    )
+    kwargs.update(overrides)
+    return GPT2Config(**kwargs)
+
+
+def tiny_captioner(seed: int = 0, encoder_hidden: int = 32, **decoder_overrides) -> VisionEncoderDecoderModel:
+    """ViT (32 px, 8 px patches -> 17 positions) + GPT-2 with cross-attention, random weights."""
+    torch.manual_seed(seed)
+    encoder = ViTConfig(
+        hidden_size=encoder_hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, image_size=32,
+        patch_size=8,
+    )
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, gpt2_config(**decoder_overrides))
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = BOS, PAD, EOS
+    return VisionEncoderDecoderModel(config).eval()
+
+
+def tiny_recognizer(seed: int = 0) -> SpeechEncoderDecoderModel:
+    """Wav2Vec2 (layer-norm feature extractor, so padding is masked) + GPT-2 with cross-attention."""
+    torch.manual_seed(seed)
+    encoder = Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, conv_dim=(16, 16),
+        conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        feat_extract_norm="layer", do_stable_layer_norm=True, vocab_size=VOCAB,
+    )
+    config = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, gpt2_config())
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = BOS, PAD, EOS
+    return SpeechEncoderDecoderModel(config).eval()
+
+
+def tiny_gpt2(seed: int = 0, **overrides) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(gpt2_config(**overrides)).eval()
+
+
+def frequent_token(model, generate_kwargs) -> int:
+    """A token that transformers' greedy output emits mid-sequence: used as EOS so rows stop at different steps."""
+    with torch.no_grad():
+        out = model.generate(**generate_kwargs, max_new_tokens=12, eos_token_id=None, do_sample=False)
+    body = out[:, 2:].flatten()
+    return int(torch.mode(body).values)
+
+
+def with_eos(model, eos: int):
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    if hasattr(model.config, "decoder"):
+        model.config.decoder.eos_token_id = eos
+    return model
+
+
+@pytest.fixture(scope="session")
+def captioner():
+    return tiny_captioner()
+
+
+@pytest.fixture(scope="session")
+def images():
+    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def xattn_of(model):
+    return xattn.from_hf(model)
