@@ -155,6 +155,7 @@ class GPT2CrossAttentionDecoder(nn.Module):
         logits = self.logits(hidden)
         return logits if all_logits else logits[:, 0]
 
+    @torch.no_grad()
     def decode_step(
         self, input_ids: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor
     ) -> torch.Tensor:

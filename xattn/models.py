@@ -8,6 +8,7 @@ An `XattnModel` runs the model's own encoder (ViT, a speech encoder, or none whe
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -77,14 +78,24 @@ class XattnModel:
         return hidden, mask
 
     # ---- generation -------------------------------------------------------------------------------------------
-    def generate(self, *args, **kwargs) -> torch.Tensor:
-        """Like transformers' generate: sequences [B * num_return_sequences, prompt + new], prompt included."""
+    def generate(self, *args, return_dict_in_generate: bool = False, **kwargs):
+        """Like transformers' generate: sequences [B * num_return_sequences, prompt + new], prompt included.
+
+        With return_dict_in_generate=True: a GenerateOutput with the sequences, the beam scores (beam search)
+        and the cache the run ended with.
+        """
         plan = self._plan(*args, **kwargs)
+        scores = None
         if plan.opts.num_beams > 1:
-            return beam_search(self._decode_step, plan.cache, plan.prompt, plan.logits, plan.opts)[0]
-        steps = sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts)
-        generated = sum(1 for _ in steps)
-        return plan.sequences[:, : plan.prompt_length + generated]
+            sequences, scores = beam_search(self._decode_step, plan.cache, plan.prompt, plan.logits, plan.opts)
+        else:
+            steps = sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits,
+                                  plan.opts)
+            generated = sum(1 for _ in steps)
+            sequences = plan.sequences[:, : plan.prompt_length + generated]
+        if return_dict_in_generate:
+            return GenerateOutput(sequences=sequences, sequences_scores=scores, cache=plan.cache)
+        return sequences
 
     def stream(self, *args, **kwargs) -> Iterator[torch.Tensor]:
         """Yield each step's new tokens [B * num_return_sequences] as they are produced (greedy or sampling)."""
@@ -108,7 +119,11 @@ class XattnModel:
             else:
                 prompt = inputs
         kwargs.pop("use_cache", None)
-        cache_in = kwargs.pop("past_key_values", None) or kwargs.pop("cache", None)
+        # transformers renamed past_key_values to cache (5.24); accept both
+        legacy_name, new_name = kwargs.pop("past_key_values", None), kwargs.pop("cache", None)
+        if legacy_name is not None and new_name is not None:
+            raise ValueError("pass the cache once: either cache= or past_key_values=, not both")
+        cache_in = new_name if new_name is not None else legacy_name
         if kwargs.get("decoder_attention_mask") is not None and not bool(kwargs["decoder_attention_mask"].all()):
             raise ValueError("padded decoder prompts are not supported: give every row the same prompt length")
         kwargs.pop("decoder_attention_mask", None)
@@ -138,9 +153,10 @@ class XattnModel:
             )
 
         opts, batch, prompt = self._resolve(kwargs, prompt, encoder_hidden_states, cache_in)
-        if encoder_hidden_states is not None and encoder_hidden_states.shape[0] != batch:
+        if encoder_hidden_states is not None and encoder_hidden_states.shape[0] != prompt.shape[0]:
             raise ValueError(
-                f"batch sizes differ: {encoder_hidden_states.shape[0]} encoder rows but {batch} decoder prompts"
+                f"batch sizes differ: {encoder_hidden_states.shape[0]} encoder rows but {prompt.shape[0]} "
+                "decoder prompts; pass one prompt row per input"
             )
         group = opts.group_size
         prompt_length = prompt.shape[1]
@@ -238,6 +254,13 @@ class XattnModel:
 
     def _main_input_name(self) -> str:
         return getattr(self.encoder, "main_input_name", "pixel_values")
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # [B * num_return_sequences, prompt + new]
+    sequences_scores: torch.Tensor | None  # beam search: length-normalised log-probability of each sequence
+    cache: CrossAttentionCache  # the cache as generation left it (beam search: the running beams)
 
 
 class _Plan:
