@@ -1,0 +1,91 @@
+"""Entry points: load() from a saved checkpoint, GPT2Model + head, streaming, no copy of the weights."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from transformers import GPT2Model
+
+import xattn
+from conftest import tiny_captioner, tiny_gpt2
+
+
+def test_load_a_saved_checkpoint_gives_transformers_tokens(tmp_path):
+    model = tiny_captioner(seed=51)
+    model.save_pretrained(tmp_path)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    loaded = xattn.load(str(tmp_path))
+    for kwargs in (dict(max_new_tokens=9), dict(max_new_tokens=9, num_beams=3)):
+        assert torch.equal(loaded.generate(pixel_values=pixels, **kwargs), model.generate(pixel_values=pixels, **kwargs))
+
+
+def test_gpt2_model_plus_separate_head():
+    lm = tiny_gpt2(seed=52)
+    bare = GPT2Model(lm.config).eval()
+    bare.load_state_dict(lm.transformer.state_dict())
+    states = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(3))
+    prompt = torch.tensor([[1, 4], [1, 8]])
+    expected = lm.generate(prompt, attention_mask=torch.ones_like(prompt), encoder_hidden_states=states,
+                           max_new_tokens=8)
+    got = xattn.from_hf(bare, lm_head=lm.lm_head).generate(prompt, encoder_hidden_states=states, max_new_tokens=8)
+    assert torch.equal(got, expected)
+
+
+def test_stream_yields_the_generated_tokens_step_by_step():
+    model = tiny_captioner(seed=53)
+    engine = xattn.from_hf(model)
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    full = engine.generate(pixel_values=pixels, max_new_tokens=10)
+    steps = list(engine.stream(pixel_values=pixels, max_new_tokens=10))
+    assert len(steps) == full.shape[1] - 1
+    assert torch.equal(torch.stack(steps, dim=1), full[:, 1:])
+
+
+def test_the_engine_reads_the_models_own_parameters():
+    model = tiny_captioner(seed=54)
+    engine = xattn.from_hf(model)
+    hf_storage = {p.data_ptr() for p in model.parameters()}
+    assert all(p.data_ptr() in hf_storage for p in engine.decoder.parameters())
+    # and a change to the transformers weights is seen by xattn at once
+    pixels = torch.randn(1, 3, 32, 32)
+    before = engine.generate(pixel_values=pixels, max_new_tokens=6, eos_token_id=None)
+    with torch.no_grad():
+        model.decoder.lm_head.weight[before[0, 1]] -= 100.0
+    after = engine.generate(pixel_values=pixels, max_new_tokens=6, eos_token_id=None)
+    assert after[0, 1] != before[0, 1]
+
+
+PEAK_SCRIPT = textwrap.dedent(
+    """
+    import json, gc, torch, xattn
+    from xattn.bench import vit_gpt2_small
+    torch.set_num_threads(2)
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    model = vit_gpt2_small()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    pixels = torch.randn(1, 3, 224, 224)
+    gc.collect()
+    engine = xattn.from_hf(model)
+    base = rss("VmRSS:")
+    open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+    engine.generate(pixel_values=pixels, max_new_tokens=16, num_beams=4)
+    print(json.dumps({"params": params, "base": base, "peak": rss("VmHWM:")}))
+    """
+)
+
+
+def test_peak_memory_of_generation_stays_within_a_tenth_of_the_model():
+    """ViT-B/16 + GPT-2 small, beam 4: what generation adds on top of the loaded model is < 10% of its size."""
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    extra = m["peak"] - m["base"]
+    assert extra <= 0.1 * m["params"], f"generation added {extra / 2**20:.0f} MiB to a {m['params'] / 2**20:.0f} MiB model"
