@@ -62,7 +62,7 @@ def tiny_gpt2(seed: int = 0, **overrides) -> GPT2LMHeadModel:
 def frequent_token(model, generate_kwargs) -> int:
     """A token that transformers' greedy output emits mid-sequence: used as EOS so rows stop at different steps."""
     with torch.no_grad():
-        out = model.generate(**generate_kwargs, max_new_tokens=12, eos_token_id=None, do_sample=False)
+        out = model.generate(**generate_kwargs, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     body = out[:, 2:].flatten()
     return int(torch.mode(body).values)
 

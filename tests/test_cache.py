@@ -82,7 +82,7 @@ def test_to_hf_cache_continues_in_transformers(setup):
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_generation_continued_from_a_given_cache_equals_uninterrupted(setup, source, num_beams):
     model, engine, pixels, _ = setup
-    full = engine.generate(pixel_values=pixels, max_new_tokens=12, eos_token_id=None)
+    full = engine.generate(pixel_values=pixels, max_new_tokens=12, min_new_tokens=12)
     cut = 5  # positions already in the cache; the prompt brings one more token
     if source == "from_hf":
         _, given = _hf_forward(model, pixels, full[:, :cut])
@@ -90,7 +90,7 @@ def test_generation_continued_from_a_given_cache_equals_uninterrupted(setup, sou
         cache = _filled_cache(engine, pixels, cut)
         engine.decoder.prefill(cache, input_ids=full[:, :cut])
         given = cache.to_legacy(cross=source == "from_legacy_cross")
-    kwargs = dict(max_new_tokens=12 - cut, eos_token_id=None, num_beams=num_beams)
+    kwargs = dict(max_new_tokens=12 - cut, min_new_tokens=12 - cut, num_beams=num_beams)
     if source == "from_legacy":  # self-attention tuples only: cross K/V come from the encoder again
         states, mask = engine.encode(pixel_values=pixels)
         given = CrossAttentionCache.from_legacy(given, 13)

@@ -12,7 +12,7 @@ def test_compiled_decode_step_gives_the_eager_tokens():
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(8))
     eager = xattn.from_hf(model)
     compiled = xattn.from_hf(model).compile()
-    for kwargs in (dict(max_new_tokens=10, eos_token_id=None), dict(max_new_tokens=10, num_beams=3)):
+    for kwargs in (dict(max_new_tokens=10, min_new_tokens=10), dict(max_new_tokens=10, num_beams=3)):
         expected = eager.generate(pixel_values=pixels, **kwargs)
         assert torch.equal(compiled.generate(pixel_values=pixels, **kwargs), expected)
         assert torch.equal(expected, model.generate(pixel_values=pixels, **kwargs))

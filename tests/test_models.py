@@ -51,10 +51,10 @@ def test_the_engine_reads_the_models_own_parameters():
     assert all(p.data_ptr() in hf_storage for p in engine.decoder.parameters())
     # and a change to the transformers weights is seen by xattn at once
     pixels = torch.randn(1, 3, 32, 32)
-    before = engine.generate(pixel_values=pixels, max_new_tokens=6, eos_token_id=None)
+    before = engine.generate(pixel_values=pixels, max_new_tokens=6, min_new_tokens=6)
     with torch.no_grad():
         model.decoder.lm_head.weight[before[0, 1]] -= 100.0
-    after = engine.generate(pixel_values=pixels, max_new_tokens=6, eos_token_id=None)
+    after = engine.generate(pixel_values=pixels, max_new_tokens=6, min_new_tokens=6)
     assert after[0, 1] != before[0, 1]
 
 

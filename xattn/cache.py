@@ -108,11 +108,10 @@ class CrossAttentionCache:
 
     def expand(self, group: int) -> "CrossAttentionCache":
         """Each row repeated `group` times (N candidates from one prefill); cross K/V stay shared."""
-        enc_index = self.encoder_rows()
-        row_index = torch.arange(self.batch_size, device=self.keys.device).repeat_interleave(group)
-        expanded = self.select_rows(row_index)
-        if enc_index is not None and self.enc_index is None:
-            expanded.enc_index = None  # still the regular layout, with a larger group
+        rows = torch.arange(self.batch_size, device=self.keys.device).repeat_interleave(group)
+        expanded = self.select_rows(rows)
+        if self.enc_index is None:
+            expanded.enc_index = None  # the regular layout stays regular, with a larger group
         return expanded
 
     def encoder_rows(self) -> torch.Tensor | None:

@@ -108,13 +108,14 @@ class GPT2CrossAttentionDecoder(nn.Module):
                 "pass no encoder_hidden_states, or use a model built with add_cross_attention=True"
             )
         b, s, _ = encoder_hidden_states.shape
-        keys, values = [], []
-        for block in self.blocks:
-            kv = _conv1d(encoder_hidden_states, block.crossattention.c_attn)  # [B, S, 2*D]
-            k, v = kv.view(b, s, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, S, hd)
-            keys.append(k)
-            values.append(v)
-        return torch.stack(keys).contiguous(), torch.stack(values).contiguous()
+        shape = (self.num_layers, b, self.num_heads, s, self.head_dim)
+        keys = encoder_hidden_states.new_empty(shape)
+        values = encoder_hidden_states.new_empty(shape)
+        for layer_idx, block in enumerate(self.blocks):
+            kv = _conv1d(encoder_hidden_states, block.crossattention.c_attn)  # (B, S, 2*D)
+            k, v = kv.view(b, s, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, S, hd)
+            keys[layer_idx], values[layer_idx] = k, v
+        return keys, values
 
     # ---- forward ------------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -64,10 +64,61 @@ class GenerationOptions:
                    "greedy search returns one sequence per input: pass num_beams >= num_return_sequences "
                    "or do_sample=True")
 
+    @classmethod
+    def from_kwargs(cls, generation_config, prompt_length: int, **kwargs) -> "GenerationOptions":
+        """transformers-style generate() kwargs over a model's generation_config over transformers' defaults."""
+        unknown = set(kwargs) - _KWARGS
+        if unknown:
+            raise ValueError(f"unsupported generate() arguments: {sorted(unknown)}; supported: {sorted(_KWARGS)}")
+
+        def pick(name, default=None):
+            value = kwargs.get(name)
+            if value is None and generation_config is not None:
+                value = getattr(generation_config, name, None)
+            return default if value is None else value
+
+        eos = pick("eos_token_id")  # None means "not given", as in transformers; [] means no EOS
+        eos = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        pad = pick("pad_token_id")
+        if pad is None and eos:
+            pad = eos[0]  # as transformers: stopped rows are filled with EOS
+        if kwargs.get("max_new_tokens") is not None:
+            max_new = kwargs["max_new_tokens"]
+        elif kwargs.get("max_length") is None and getattr(generation_config, "max_new_tokens", None) is not None:
+            max_new = generation_config.max_new_tokens
+        else:
+            max_new = pick("max_length", 20) - prompt_length
+        if not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"nothing to generate: max_new_tokens={max_new!r} (prompt length {prompt_length}); "
+                             "pass max_new_tokens >= 1")
+        return cls(
+            max_new_tokens=max_new,
+            min_new_tokens=max(pick("min_new_tokens", 0), pick("min_length", 0) - prompt_length, 0),
+            do_sample=bool(pick("do_sample", False)),
+            temperature=float(pick("temperature", 1.0)),
+            top_k=pick("top_k", 50),
+            top_p=float(pick("top_p", 1.0)),
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            num_beams=pick("num_beams", 1),
+            length_penalty=float(pick("length_penalty", 1.0)),
+            early_stopping=pick("early_stopping", False),
+            num_return_sequences=pick("num_return_sequences", 1),
+            eos_token_id=eos,
+            pad_token_id=None if pad is None else int(pad),
+            generator=kwargs.get("generator"),
+        )
+
     @property
     def group_size(self) -> int:
         """Decoding rows per input: beams, or independent samples."""
         return self.num_beams if self.num_beams > 1 else self.num_return_sequences
+
+
+_KWARGS = {
+    "max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p",
+    "repetition_penalty", "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "eos_token_id",
+    "pad_token_id", "bos_token_id", "decoder_start_token_id", "generator",
+}
 
 
 def _check(ok: bool, message: str) -> None:

@@ -17,10 +17,6 @@ from .cache import CrossAttentionCache
 from .decoder import GPT2CrossAttentionDecoder
 from .generate import GenerationOptions, beam_search, sample_stream
 
-_OPTION_NAMES = (
-    "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
-    "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "generator",
-)
 _ENCODER_INPUTS = ("pixel_values", "input_features", "input_values")
 
 
@@ -105,60 +101,30 @@ class XattnModel:
         yield from sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts)
 
     def _plan(self, inputs: torch.Tensor | None = None, **kwargs) -> "_Plan":
+        """Check the inputs, run the encoder, fill the cache and prefill the prompt."""
         kwargs = dict(kwargs)
-        encoder_hidden_states = kwargs.pop("encoder_hidden_states", None)
-        encoder_attention_mask = kwargs.pop("encoder_attention_mask", None)
+        prompt, encoder_inputs, cache_in = self._take_inputs(inputs, kwargs)
         attention_mask = kwargs.pop("attention_mask", None)
-        prompt = kwargs.pop("decoder_input_ids", None)
-        if prompt is None:
-            prompt = kwargs.pop("input_ids", None)
-        encoder_inputs = {name: kwargs.pop(name) for name in _ENCODER_INPUTS if name in kwargs}
-        if inputs is not None:
-            if self.is_encoder_decoder:
-                encoder_inputs[self._main_input_name()] = inputs
-            else:
-                prompt = inputs
-        kwargs.pop("use_cache", None)
-        # transformers renamed past_key_values to cache (5.24); accept both
-        legacy_name, new_name = kwargs.pop("past_key_values", None), kwargs.pop("cache", None)
-        if legacy_name is not None and new_name is not None:
-            raise ValueError("pass the cache once: either cache= or past_key_values=, not both")
-        cache_in = new_name if new_name is not None else legacy_name
-        if kwargs.get("decoder_attention_mask") is not None and not bool(kwargs["decoder_attention_mask"].all()):
-            raise ValueError("padded decoder prompts are not supported: give every row the same prompt length")
-        kwargs.pop("decoder_attention_mask", None)
-
-        if len(encoder_inputs) > 1 or (encoder_inputs and encoder_hidden_states is not None):
-            raise ValueError(f"pass one encoder input, got {sorted(encoder_inputs) + (['encoder_hidden_states'] if encoder_hidden_states is not None else [])}")
+        states = kwargs.pop("encoder_hidden_states", None)
+        states_mask = kwargs.pop("encoder_attention_mask", None)
+        if len(encoder_inputs) + (states is not None) > 1:
+            given = sorted(encoder_inputs) + (["encoder_hidden_states"] if states is not None else [])
+            raise ValueError(f"pass one encoder input, got {given}")
         if encoder_inputs:
-            encoder_hidden_states, encoder_attention_mask = self.encode(attention_mask, **encoder_inputs)
-        elif encoder_hidden_states is not None:
-            _check_tensor("encoder_hidden_states", encoder_hidden_states, self.decoder, ndim=3)
-            if encoder_hidden_states.shape[-1] != self.decoder.hidden_size:
-                raise ValueError(
-                    f"encoder_hidden_states has hidden size {encoder_hidden_states.shape[-1]} but the decoder's "
-                    f"cross-attention expects {self.decoder.hidden_size}"
-                )
-            if encoder_attention_mask is not None and encoder_attention_mask.shape != encoder_hidden_states.shape[:2]:
-                raise ValueError(
-                    f"encoder_attention_mask has shape {tuple(encoder_attention_mask.shape)}, expected "
-                    f"{tuple(encoder_hidden_states.shape[:2])} (batch, encoder positions)"
-                )
+            states, states_mask = self.encode(attention_mask, **encoder_inputs)
+        elif states is not None:
+            self._check_encoder_states(states, states_mask)
         elif self.is_encoder_decoder and cache_in is None:
             raise ValueError(f"pass {self._main_input_name()} (or encoder_hidden_states) to generate from")
-        if encoder_hidden_states is not None and not self.decoder.has_cross_attention:
-            raise ValueError(
-                "encoder states were given but this GPT-2 decoder has no cross-attention layers "
-                "(config.add_cross_attention=False); drop encoder_hidden_states or load a model with cross-attention"
-            )
 
-        opts, batch, prompt = self._resolve(kwargs, prompt, encoder_hidden_states, cache_in)
-        if encoder_hidden_states is not None and encoder_hidden_states.shape[0] != prompt.shape[0]:
-            raise ValueError(
-                f"batch sizes differ: {encoder_hidden_states.shape[0]} encoder rows but {prompt.shape[0]} "
-                "decoder prompts; pass one prompt row per input"
-            )
-        group = opts.group_size
+        batch = states.shape[0] if states is not None else prompt.shape[0] if prompt is not None else None
+        if batch is None:
+            batch = _adopt_cache(cache_in, 1).batch_size if cache_in is not None else 1
+        prompt = self._prompt(prompt, batch, kwargs)
+        if prompt.shape[0] != batch:
+            raise ValueError(f"batch sizes differ: {batch} encoder rows but {prompt.shape[0]} decoder prompts; "
+                             "pass one prompt row per input")
+        opts = GenerationOptions.from_kwargs(self.generation_config, prompt.shape[1], **kwargs)
         prompt_length = prompt.shape[1]
         max_length = prompt_length + opts.max_new_tokens
         if self.decoder.custom_embed is None and max_length > self.decoder.max_positions:
@@ -172,85 +138,69 @@ class XattnModel:
             cache = _adopt_cache(cache_in, max_length)
             if cache.batch_size != batch:
                 raise ValueError(f"the given cache holds {cache.batch_size} rows but the prompt has {batch}")
-            done = cache.length
-            logits = self.decoder.prefill(cache, input_ids=prompt[:, done:]) if prompt_length > done else None
-            if logits is None:
+            if prompt_length <= cache.length:
                 raise ValueError("the prompt must extend past the cached positions by at least one token")
+            logits = self.decoder.prefill(cache, input_ids=prompt[:, cache.length:])
         else:
-            cache = self.decoder.new_cache(batch, max_length, encoder_hidden_states, encoder_attention_mask)
+            cache = self.decoder.new_cache(batch, max_length, states, states_mask)
             logits = self.decoder.prefill(cache, input_ids=prompt)
+        group = opts.group_size
         if group > 1:  # beams / candidates share the prefill: copy its K/V, never the cross K/V
             cache = cache.expand(group)
             logits = logits.repeat_interleave(group, dim=0)
             prompt = prompt.repeat_interleave(group, dim=0)
-        sequences = torch.full((prompt.shape[0], max_length), opts.pad_token_id or 0, dtype=torch.long,
-                               device=prompt.device)
+        sequences = prompt.new_full((prompt.shape[0], max_length), opts.pad_token_id or 0)
         sequences[:, :prompt_length] = prompt
         return _Plan(opts, cache, prompt, sequences, prompt_length, logits)
 
-    def _resolve(self, kwargs, prompt, encoder_hidden_states, cache_in):
-        """Generation options from kwargs over the model's generation_config over transformers' defaults."""
-        cfg = self.generation_config
-        unknown = set(kwargs) - set(_OPTION_NAMES) - {"max_length", "min_length", "eos_token_id", "pad_token_id",
-                                                      "bos_token_id", "decoder_start_token_id"}
-        if unknown:
-            raise ValueError(f"unsupported generate() arguments: {sorted(unknown)}; supported: "
-                             f"{sorted(_OPTION_NAMES + ('max_length', 'min_length', 'eos_token_id', 'pad_token_id', 'decoder_start_token_id'))}")
-
-        def pick(name, default=None):
-            if kwargs.get(name) is not None:
-                return kwargs[name]
-            value = getattr(cfg, name, None) if cfg is not None else None
-            return default if value is None else value
-
-        if encoder_hidden_states is not None:
-            batch = encoder_hidden_states.shape[0]
-        elif prompt is not None:
-            batch = prompt.shape[0]
-        else:
-            batch = _adopt_cache(cache_in, 1).batch_size if cache_in is not None else 1
+    def _take_inputs(self, inputs, kwargs) -> tuple[torch.Tensor | None, dict, object]:
+        """Pop (prompt, encoder inputs, given cache) from transformers-style arguments."""
+        prompt = kwargs.pop("decoder_input_ids", None)
         if prompt is None:
-            start_name = "decoder_start_token_id" if self.is_encoder_decoder else "bos_token_id"
-            start = pick(start_name)
-            if start is None:
-                raise ValueError(f"no prompt given and the model has no {start_name}: pass decoder_input_ids")
-            prompt = torch.full((batch, 1), int(start), dtype=torch.long, device=self.decoder.device)
-        else:
-            _check_tensor("decoder_input_ids", prompt, self.decoder, ndim=2, integer=True)
+            prompt = kwargs.pop("input_ids", None)
+        encoder_inputs = {name: kwargs.pop(name) for name in _ENCODER_INPUTS if name in kwargs}
+        if inputs is not None:
+            if self.is_encoder_decoder:
+                encoder_inputs[self._main_input_name()] = inputs
+            else:
+                prompt = inputs
+        kwargs.pop("use_cache", None)
+        decoder_mask = kwargs.pop("decoder_attention_mask", None)
+        if decoder_mask is not None and not bool(decoder_mask.all()):
+            raise ValueError("padded decoder prompts are not supported: give every row the same prompt length")
+        # transformers renamed past_key_values to cache (5.24); accept both
+        legacy_name, new_name = kwargs.pop("past_key_values", None), kwargs.pop("cache", None)
+        if legacy_name is not None and new_name is not None:
+            raise ValueError("pass the cache once: either cache= or past_key_values=, not both")
+        return prompt, encoder_inputs, new_name if new_name is not None else legacy_name
 
-        eos = pick("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        pad = pick("pad_token_id")
-        if pad is None and eos:
-            pad = eos[0]
-        prompt_length = prompt.shape[1]
-        if kwargs.get("max_new_tokens") is not None:
-            max_new = kwargs["max_new_tokens"]
-        else:
-            max_new = pick("max_length", 20) - prompt_length
-            if kwargs.get("max_length") is None and getattr(cfg, "max_new_tokens", None) is not None:
-                max_new = cfg.max_new_tokens
-        if not isinstance(max_new, int) or max_new < 1:
-            raise ValueError(f"nothing to generate: max_new_tokens={max_new} (prompt length {prompt_length}); "
-                             "pass max_new_tokens >= 1")
-        min_new = max(pick("min_new_tokens", 0), pick("min_length", 0) - prompt_length)
-        opts = GenerationOptions(
-            max_new_tokens=max_new,
-            min_new_tokens=max(min_new, 0),
-            do_sample=bool(pick("do_sample", False)),
-            temperature=float(pick("temperature", 1.0)),
-            top_k=pick("top_k", 50),
-            top_p=float(pick("top_p", 1.0)),
-            repetition_penalty=float(pick("repetition_penalty", 1.0)),
-            num_beams=pick("num_beams", 1),
-            length_penalty=float(pick("length_penalty", 1.0)),
-            early_stopping=pick("early_stopping", False),
-            num_return_sequences=pick("num_return_sequences", 1),
-            eos_token_id=eos,
-            pad_token_id=None if pad is None else int(pad),
-            generator=kwargs.get("generator"),
-        )
-        return opts, batch, prompt
+    def _check_encoder_states(self, states: torch.Tensor, mask: torch.Tensor | None) -> None:
+        _check_tensor("encoder_hidden_states", states, self.decoder, ndim=3)
+        if not self.decoder.has_cross_attention:
+            raise ValueError(
+                "encoder_hidden_states were given but this GPT-2 decoder has no cross-attention layers "
+                "(config.add_cross_attention=False); drop them or load a model built with add_cross_attention=True"
+            )
+        if states.shape[-1] != self.decoder.hidden_size:
+            raise ValueError(f"encoder_hidden_states has hidden size {states.shape[-1]} but the decoder's "
+                             f"cross-attention expects {self.decoder.hidden_size}")
+        if mask is not None and mask.shape != states.shape[:2]:
+            raise ValueError(f"encoder_attention_mask has shape {tuple(mask.shape)}, expected "
+                             f"{tuple(states.shape[:2])} (batch, encoder positions)")
+
+    def _prompt(self, prompt: torch.Tensor | None, batch: int, kwargs) -> torch.Tensor:
+        """The decoder prompt; like transformers, an encoder-decoder prompt starts with decoder_start_token_id."""
+        cfg = self.generation_config
+        names = ("decoder_start_token_id", "bos_token_id") if self.is_encoder_decoder else ("bos_token_id",)
+        start = next((v for v in (kwargs.get(n, getattr(cfg, n, None)) for n in names) if v is not None), None)
+        if prompt is not None:
+            _check_tensor("decoder_input_ids", prompt, self.decoder, ndim=2, integer=True)
+            if self.is_encoder_decoder and start is not None and bool((prompt[:, 0] != start).all()):
+                prompt = torch.cat([prompt.new_full((prompt.shape[0], 1), int(start)), prompt], dim=1)
+            return prompt
+        if start is None:
+            raise ValueError(f"no prompt given and the model has no {names[0]}: pass decoder_input_ids")
+        return torch.full((batch, 1), int(start), dtype=torch.long, device=self.decoder.device)
 
     def _main_input_name(self) -> str:
         return getattr(self.encoder, "main_input_name", "pixel_values")
