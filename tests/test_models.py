@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 import torch
-from transformers import GPT2Model
+from transformers import GPT2Config, GPT2Model
 
 import xattn
 from conftest import tiny_captioner, tiny_gpt2
@@ -89,3 +89,43 @@ def test_peak_memory_of_generation_stays_within_a_tenth_of_the_model():
     m = json.loads(out.stdout.strip().splitlines()[-1])
     extra = m["peak"] - m["base"]
     assert extra <= 0.1 * m["params"], f"generation added {extra / 2**20:.0f} MiB to a {m['params'] / 2**20:.0f} MiB model"
+
+
+def test_caller_supplied_embeddings_and_head_match_transformers_forward():
+    """A Tortoise/XTTS-shaped decoder: GPT2Model whose wpe is zero, prefix embeddings from the caller, its own
+    token/position embeddings and final norm + head. Greedy tokens equal transformers' uncached forward."""
+    torch.manual_seed(55)
+    gpt = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=8, n_positions=64,
+                               add_cross_attention=False)).eval()
+    with torch.no_grad():
+        gpt.wpe.weight.zero_()
+    tokens_embedding, positions_embedding = torch.nn.Embedding(40, 32), torch.nn.Embedding(30, 32)
+    norm, head = torch.nn.LayerNorm(32), torch.nn.Linear(32, 40)
+    prefix = torch.randn(2, 5, 32)
+    start = 38
+
+    def embed(ids, positions):  # generated token i sits at position i of the audio sequence
+        return tokens_embedding(ids) + positions_embedding(positions - prefix.shape[1])
+
+    decoder = xattn.GPT2CrossAttentionDecoder(gpt, embed=embed, head=lambda h: head(norm(h)))
+    with torch.no_grad():
+        cache = decoder.new_cache(2, 20)
+        decoder.prefill(cache, inputs_embeds=prefix)
+        ids = torch.full((2, 1), start)
+        logits = decoder.prefill(cache, input_ids=ids)
+        ours = []
+        for pos in range(prefix.shape[1] + 1, prefix.shape[1] + 9):
+            nxt = logits.argmax(-1)
+            ours.append(nxt)
+            logits = decoder.decode_step(nxt, cache, torch.tensor(pos))
+            cache.length = pos + 1
+
+        seq = ids
+        theirs = []
+        for _ in range(8):  # transformers, no cache: the whole sequence every step
+            audio = tokens_embedding(seq) + positions_embedding(torch.arange(seq.shape[1]))
+            hidden = gpt(inputs_embeds=torch.cat([prefix, audio], 1)).last_hidden_state
+            nxt = head(norm(hidden[:, -1])).argmax(-1)
+            theirs.append(nxt)
+            seq = torch.cat([seq, nxt[:, None]], 1)
+    assert torch.equal(torch.stack(ours, 1), torch.stack(theirs, 1))
