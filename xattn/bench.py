@@ -69,7 +69,7 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
                 def call(n, generate=generate):
                     return generate(pixel_values=pixels, max_new_tokens=n, min_new_tokens=n, num_beams=beams)
 
-                call(short)  # warm-up (and compilation)
+                call(short), call(long)  # warm-up (and compilation)
                 t_short, _ = _timed(lambda: call(short), repeats)
                 t_long, out = _timed(lambda: call(long), repeats)
                 if name == "transformers":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -21,6 +22,65 @@ def _bench(args) -> int:
     return 0 if all(m.tokens_equal_to_transformers is not False for m in results) else 1
 
 
+def _generation_kwargs(args) -> dict:
+    names = ("max_new_tokens", "num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p",
+             "repetition_penalty", "length_penalty")
+    return {n: getattr(args, n) for n in names if getattr(args, n) not in (None, False)}
+
+
+def _add_generation_flags(parser) -> None:
+    group = parser.add_argument_group("generation (as in transformers' generate; unset = the model's default)")
+    group.add_argument("--max-new-tokens", type=int)
+    group.add_argument("--num-beams", type=int)
+    group.add_argument("--num-return-sequences", type=int)
+    group.add_argument("--do-sample", action="store_true")
+    group.add_argument("--temperature", type=float)
+    group.add_argument("--top-k", type=int)
+    group.add_argument("--top-p", type=float)
+    group.add_argument("--repetition-penalty", type=float)
+    group.add_argument("--length-penalty", type=float)
+    group.add_argument("--seed", type=int, help="seed for sampling")
+
+
+def _caption(args) -> int:
+    import torch
+
+    from .captioning import Captioner, image_files
+    from .jobs import run_batches
+    from .vision import load_image
+
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    captioner = Captioner(args.model, compile=args.compile)
+    kwargs = _generation_kwargs(args)
+    if args.attention_map:
+        if len(args.images) != 1 or os.path.isdir(args.images[0]):
+            raise ValueError("--attention-map draws one image: pass exactly one image file")
+        caption = captioner.attention_map(load_image(args.images[0]), args.attention_map, **kwargs)
+        print(caption)
+        print(f"wrote {args.attention_map}", file=sys.stderr)
+        return 0
+    files = image_files(args.images)
+    if not files:
+        raise ValueError(f"no image files in {args.images}")
+    per_image = kwargs.get("num_return_sequences", 1)
+
+    def process(images):
+        captions = captioner.caption(images, **kwargs)
+        if per_image == 1:
+            return [{"caption": c} for c in captions]
+        return [{"captions": captions[i * per_image : (i + 1) * per_image]} for i in range(len(images))]
+
+    if args.output is None and len(files) == 1:  # one image: just the caption
+        print(process([load_image(files[0])])[0].get("caption"))
+        return 0
+    failed = run_batches(files, load_image, process, args.output, args.batch_size,
+                         progress=not args.quiet, desc="captioning")
+    if failed:
+        print(f"{failed} of {len(files)} files failed (see their 'error' in the output)", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xattn", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -33,8 +93,28 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--threads", type=int, default=2, help="torch threads")
     bench.add_argument("--json", help="also write the results here (JSON)")
     bench.set_defaults(run=_bench)
+
+    caption = commands.add_parser("caption", help="caption images (files or folders) with a VisionEncoderDecoder model")
+    caption.add_argument("images", nargs="+", help="image files or folders of images")
+    caption.add_argument("--model", help="checkpoint directory or hub id (default: the shipped scene captioner)")
+    caption.add_argument("--output", "-o", help="JSON lines output; re-running resumes after what is done")
+    caption.add_argument("--batch-size", type=int, default=16)
+    caption.add_argument("--attention-map", metavar="PNG", help="draw each word's attention over the image")
+    caption.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    caption.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_generation_flags(caption)
+    caption.set_defaults(run=_caption)
+
+    for sub in (bench, caption):
+        sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except ValueError as error:
+        if args.debug:
+            raise
+        print(f"xattn {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

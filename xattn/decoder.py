@@ -170,10 +170,23 @@ class GPT2CrossAttentionDecoder(nn.Module):
         hidden = self.forward_hidden(hidden, cache, positions)
         return self.logits(hidden)[:, 0]
 
+    @torch.no_grad()
+    def cross_attention_probs(self, cache: CrossAttentionCache, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run input_ids [B, T] from cache.length on and return the cross-attention probabilities of every
+        layer, [layers, B, H, T, S] (for attention maps; generation never computes them)."""
+        positions = torch.arange(cache.length, cache.length + input_ids.shape[1], device=self.device)
+        record: list[torch.Tensor] = []
+        self.forward_hidden(self.embed(input_ids, positions), cache, positions, record=record)
+        cache.length += input_ids.shape[1]
+        return torch.stack(record)
+
     def forward_hidden(
-        self, hidden: torch.Tensor, cache: CrossAttentionCache, positions: torch.Tensor
+        self, hidden: torch.Tensor, cache: CrossAttentionCache, positions: torch.Tensor,
+        record: list | None = None,
     ) -> torch.Tensor:
-        """hidden [B, T, D] at absolute positions [T]; writes K/V at those positions; returns [B, T, D]."""
+        """hidden [B, T, D] at absolute positions [T]; writes K/V at those positions; returns [B, T, D].
+
+        record: if a list, each layer's cross-attention probabilities [B, H, T, S] are appended to it."""
         t_max = cache.max_length
         # (T, T_max): a query at position p sees keys at positions <= p
         self_mask = torch.arange(t_max, device=hidden.device)[None, :] <= positions[:, None]
@@ -182,10 +195,10 @@ class GPT2CrossAttentionDecoder(nn.Module):
             cross_mask = cache.cross_mask[:, None, None, :]  # (B_enc, 1, 1, S)
         enc_index = cache.enc_index
         for layer_idx, block in enumerate(self.blocks):
-            hidden = self._block(block, layer_idx, hidden, cache, positions, self_mask, cross_mask, enc_index)
+            hidden = self._block(block, layer_idx, hidden, cache, positions, self_mask, cross_mask, enc_index, record)
         return hidden
 
-    def _block(self, block, layer_idx, hidden, cache, positions, self_mask, cross_mask, enc_index):
+    def _block(self, block, layer_idx, hidden, cache, positions, self_mask, cross_mask, enc_index, record=None):
         b, t, _ = hidden.shape
         h, hd = self.num_heads, self.head_dim
         scaling = self.scalings[layer_idx]
@@ -203,6 +216,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
             q = _conv1d(x, block.crossattention.q_attn).view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
             ck, cv = cache.cross_keys[layer_idx], cache.cross_values[layer_idx]  # (B_enc, H, S, hd)
             attn = _shared_cross_attention(q, ck, cv, cross_mask, enc_index, scaling)
+            if record is not None:
+                record.append(_cross_probs(q, ck, cache.encoder_rows(), cache.cross_mask, scaling))
             hidden = hidden + _conv1d(attn.transpose(1, 2).reshape(b, t, h * hd), block.crossattention.c_proj)
 
         return hidden + block.mlp(_layer_norm(hidden, block.ln_2))
@@ -228,3 +243,12 @@ def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling)
     q = q.view(b_enc, g, h, t, hd).transpose(1, 2).reshape(b_enc, h, g * t, hd)  # (B_enc, H, g*T, hd)
     out = F.scaled_dot_product_attention(q, cross_k, cross_v, attn_mask=cross_mask, scale=scaling)
     return out.view(b_enc, h, g, t, hd).transpose(1, 2).reshape(b, h, t, hd)  # (B, H, T, hd)
+
+
+def _cross_probs(q, cross_k, enc_rows, cross_mask, scaling):
+    """Explicit softmax(q k^T) over the encoder positions, (B, H, T, S); only for attention maps."""
+    keys = cross_k.index_select(0, enc_rows)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    if cross_mask is not None:
+        scores = scores.masked_fill(~cross_mask.index_select(0, enc_rows)[:, None, None, :], float("-inf"))
+    return scores.softmax(dim=-1)

@@ -7,6 +7,7 @@ An `XattnModel` runs the model's own encoder (ViT, a speech encoder, or none whe
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,12 +40,19 @@ class XattnModel:
         self.hf_model = hf_model
         self.is_encoder_decoder = encoder is not None
         self._decode_step = decoder.decode_step
+        self._cache_bucket = 1  # cache lengths are rounded up to a multiple of this (compiled: fewer shapes)
 
     # ---- compilation --------------------------------------------------------------------------------------
-    def compile(self, **compile_kwargs) -> "XattnModel":
-        """Compile the one-token decode step with torch.compile(fullgraph=True); prefill stays eager."""
+    def compile(self, cache_bucket: int = 64, **compile_kwargs) -> "XattnModel":
+        """Compile the one-token decode step with torch.compile(fullgraph=True); prefill stays eager.
+
+        Cache lengths are rounded up to a multiple of cache_bucket so that runs of different lengths reuse
+        one compiled graph (the extra positions are masked out).
+        """
         compile_kwargs.setdefault("fullgraph", True)
+        compile_kwargs.setdefault("dynamic", False)
         self._decode_step = torch.compile(self.decoder.decode_step, **compile_kwargs)
+        self._cache_bucket = cache_bucket
         return self
 
     # ---- encoder ---------------------------------------------------------------------------------------------
@@ -142,7 +150,9 @@ class XattnModel:
                 raise ValueError("the prompt must extend past the cached positions by at least one token")
             logits = self.decoder.prefill(cache, input_ids=prompt[:, cache.length:])
         else:
-            cache = self.decoder.new_cache(batch, max_length, states, states_mask)
+            bucket = self._cache_bucket
+            cache_length = min(-(-max_length // bucket) * bucket, max(self.decoder.max_positions, max_length))
+            cache = self.decoder.new_cache(batch, cache_length, states, states_mask)
             logits = self.decoder.prefill(cache, input_ids=prompt)
         group = opts.group_size
         if group > 1:  # beams / candidates share the prefill: copy its K/V, never the cross K/V
@@ -286,12 +296,18 @@ def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | tor
     from transformers import AutoConfig
 
     from_pretrained_kwargs.setdefault("use_safetensors", True)
-    from_pretrained_kwargs.pop("trust_remote_code", None)
-    config = AutoConfig.from_pretrained(path_or_id)
-    model_class = _model_class(config)
-    if dtype is not None:
-        from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
-    model = model_class.from_pretrained(path_or_id, **from_pretrained_kwargs)
+    from_pretrained_kwargs.pop("trust_remote_code", None)  # never run code shipped with a checkpoint
+    looks_local = os.path.sep in path_or_id or path_or_id.startswith(".") or os.path.exists(path_or_id)
+    if looks_local and not os.path.isdir(path_or_id):
+        raise ValueError(f"{path_or_id}: no such checkpoint directory")
+    try:
+        config = AutoConfig.from_pretrained(path_or_id)
+        model_class = _model_class(config)
+        if dtype is not None:
+            from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
+        model = model_class.from_pretrained(path_or_id, **from_pretrained_kwargs)
+    except (OSError, EnvironmentError) as error:
+        raise ValueError(f"{path_or_id}: cannot load the checkpoint ({str(error).splitlines()[0]})") from None
     return from_hf(model.to(device))
 
 

@@ -1,0 +1,33 @@
+"""Make the synthetic scenes data set (Hugging Face imagefolders) and its caption tokenizer.
+
+    python recipes/make_scenes.py build/scenes            # train 30000 (seed 1), validation 1000 (seed 2),
+                                                          # test 1000 (seed 3), tokenizer/
+Re-running resumes an interrupted run. The spec of the scenes is in data/README.md.
+"""
+
+import argparse
+import os
+
+from xattn.datasets.scenes import scene_for, write_imagefolder
+from xattn.datasets.tokenizer import train_caption_tokenizer
+
+SPLITS = {"train": 1, "validation": 2, "test": 3}  # split -> seed; a seed is never shared between splits
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--train", type=int, default=30000)
+    parser.add_argument("--validation", type=int, default=1000)
+    parser.add_argument("--test", type=int, default=1000)
+    args = parser.parse_args()
+    for split, seed in SPLITS.items():
+        write_imagefolder(os.path.join(args.out, split), getattr(args, split), seed)
+    captions = (scene_for(SPLITS["train"], i).caption for i in range(args.train))
+    tokenizer = train_caption_tokenizer(captions, vocab_size=360)
+    tokenizer.save_pretrained(os.path.join(args.out, "tokenizer"))
+    print(f"wrote {args.out}: {len(tokenizer)} tokens in the tokenizer")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Image captioning: the scene captioner's architecture, its training batches and its accuracy."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .vision import pixel_values
+
+
+def new_scene_captioner(tokenizer, image_size: int = 64):
+    """A small VisionEncoderDecoderModel (ViT, 8 px patches + GPT-2 with cross-attention), random weights,
+    and its ViTImageProcessor. Sized to train on 2 CPU cores in well under an hour."""
+    from transformers import (GPT2Config, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig,
+                              ViTImageProcessor)
+
+    encoder = ViTConfig(image_size=image_size, patch_size=8, hidden_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, intermediate_size=256, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    decoder = GPT2Config(vocab_size=len(tokenizer), n_positions=48, n_embd=128, n_layer=3, n_head=4,
+                         add_cross_attention=True, is_decoder=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                         attn_pdrop=0.0, **special)
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id = tokenizer.bos_token_id
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model = VisionEncoderDecoderModel(config)
+    model.generation_config.update(decoder_start_token_id=tokenizer.bos_token_id, max_new_tokens=24, **special)
+    processor = ViTImageProcessor(size={"height": image_size, "width": image_size}, do_resize=True,
+                                  image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return model, processor
+
+
+class CaptionBatches:
+    """Examples {"image": PIL image, "text": caption} -> model kwargs with labels (padding ignored)."""
+
+    def __init__(self, processor, tokenizer):
+        self.processor, self.tokenizer = processor, tokenizer
+
+    def __call__(self, examples: list[dict]) -> dict:
+        eos = self.tokenizer.eos_token
+        encoded = self.tokenizer([e["text"] + eos for e in examples], padding=True, return_tensors="pt")
+        labels = encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100)
+        images = [e["image"].convert("RGB") for e in examples]
+        return {"pixel_values": pixel_values(self.processor, images), "labels": labels}
+
+
+@torch.no_grad()
+def caption_accuracy(engine, processor, tokenizer, dataset, limit: int | None = None, batch_size: int = 64,
+                     progress: bool = False) -> dict:
+    """Exact-match and token accuracy of greedy captions (decoded by the xattn engine) against the truth."""
+    from tqdm import tqdm
+
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    exact = tokens_right = tokens_total = 0
+    for start in tqdm(range(0, n, batch_size), desc="evaluating", disable=not progress):
+        rows = [dataset[i] for i in range(start, min(start + batch_size, n))]
+        pixels = pixel_values(processor, [r["image"].convert("RGB") for r in rows])
+        out = engine.generate(pixel_values=pixels)
+        for row, ids in zip(rows, out):
+            predicted = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            exact += predicted == row["text"]
+            truth = tokenizer(row["text"])["input_ids"]
+            guess = tokenizer(predicted)["input_ids"]
+            tokens_right += sum(a == b for a, b in zip(truth, guess))
+            tokens_total += max(len(truth), len(guess))
+    return {"exact_match": exact / n, "token_accuracy": tokens_right / max(tokens_total, 1)}
+
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "models",
+                             "scene-captioner")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+
+class Captioner:
+    """A VisionEncoderDecoder checkpoint (directory or hub id) with its tokenizer and image processor,
+    decoding through the xattn engine."""
+
+    def __init__(self, model: str | None = None, compile: bool = False):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        from .models import load
+
+        path = model or DEFAULT_MODEL
+        if model is None and not os.path.isdir(path):
+            raise ValueError(f"the shipped captioner is not at {path}; pass --model with a checkpoint")
+        self.engine = load(path)
+        if self.engine.encoder is None:
+            raise ValueError(f"{path} is not an image captioner (no vision encoder)")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.processor = AutoImageProcessor.from_pretrained(path)
+        if compile:
+            self.engine.compile()
+
+    def caption(self, images: list, **generate_kwargs) -> list[str]:
+        """Captions of PIL images (num_return_sequences of them per image, in order)."""
+        out = self.engine.generate(pixel_values=pixel_values(self.processor, images), **generate_kwargs)
+        return [text.strip() for text in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+    def attention_map(self, image, path: str, **generate_kwargs) -> str:
+        """Caption one image and draw, for each generated token, its cross-attention over the image patches
+        (mean over layers and heads) as a PNG grid. Returns the caption."""
+        pixels = pixel_values(self.processor, [image])
+        ids = self.engine.generate(pixel_values=pixels, **generate_kwargs)[:1]
+        decoder = self.engine.decoder
+        states, mask = self.engine.encode(pixel_values=pixels)
+        cache = decoder.new_cache(1, ids.shape[1], states, mask)
+        probs = decoder.cross_attention_probs(cache, ids)  # [layers, 1, H, T, S]
+        # the attention while predicting token t+1 is the one of position t
+        weights = probs.mean(dim=(0, 2))[0, :-1]  # [T-1, S]
+        words = [self.tokenizer.decode([int(t)]) for t in ids[0, 1:]]
+        keep = [i for i, t in enumerate(ids[0, 1:].tolist()) if t not in self.tokenizer.all_special_ids]
+        _draw_attention(image, weights[keep], [words[i] for i in keep], path)
+        return self.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
+
+
+def _draw_attention(image, weights: torch.Tensor, words: list[str], path: str) -> None:
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    patches = weights.shape[-1]
+    side = int(math.isqrt(patches))
+    grid = weights[:, patches - side * side:]  # drop the [CLS] position of ViT
+    grid = grid.reshape(-1, side, side)
+    cols = min(6, len(words) + 1)
+    rows = math.ceil((len(words) + 1) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.4 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    axes.flat[0].imshow(image)
+    axes.flat[0].set_title("image")
+    extent = (0, image.width, image.height, 0)
+    for k, (word, heat) in enumerate(zip(words, grid), start=1):
+        ax = axes.flat[k]
+        ax.imshow(image, extent=extent)
+        ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=extent, interpolation="bilinear")
+        ax.set_title(word.strip() or repr(word))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def image_files(paths: list[str]) -> list[str]:
+    """Files as given, folders expanded to their image files (sorted)."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            files.extend(sorted(os.path.join(path, f) for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS)))
+        else:
+            files.append(path)
+    return files

@@ -1,0 +1,46 @@
+"""Image files -> RGB images -> pixel values, through the model's own transformers image processor."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from PIL import Image
+
+MAX_PIXELS = 100_000_000  # refuse decompression bombs (declared size), well above any real photo
+
+
+def load_image(path: str) -> Image.Image:
+    """Any Pillow-readable image (grayscale, RGBA, CMYK, 16-bit...) as 8-bit RGB; ValueError naming the file."""
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file")
+    try:
+        with Image.open(path) as image:
+            if image.width * image.height > MAX_PIXELS:
+                raise ValueError(f"{path}: image declares {image.width}x{image.height} pixels, over the "
+                                 f"{MAX_PIXELS} limit (a decompression bomb?)")
+            image.load()
+            return _to_rgb(image)
+    except ValueError:
+        raise
+    except Exception as error:  # Pillow raises many types for unreadable or truncated files
+        raise ValueError(f"{path}: not a readable image ({type(error).__name__}: {error})") from None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16/32-bit grayscale: scale to 8 bits
+        import numpy as np
+
+        array = np.asarray(image, dtype=np.float64)
+        peak = array.max() or 1.0
+        image = Image.fromarray((array / peak * 255).astype("uint8"), mode="L")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def pixel_values(processor, images: list[Image.Image]) -> torch.Tensor:
+    """[B, 3, H, W] float32 from the model's image processor."""
+    return processor(images=images, return_tensors="pt")["pixel_values"]
