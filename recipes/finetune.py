@@ -25,6 +25,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--eval-limit", type=int, default=500, help="validation images scored at each evaluation")
+    parser.add_argument("--patch-size", type=int, default=8, help="new-scene-captioner: ViT patch size")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     for field, default in TrainConfig.__dataclass_fields__.items():
         if field != "output_dir":
@@ -54,7 +55,7 @@ def run(args, config):
     if args.model == "new-scene-captioner":
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.data, "tokenizer"))
         torch.manual_seed(config.seed)
-        model, processor = new_scene_captioner(tokenizer)
+        model, processor = new_scene_captioner(tokenizer, patch_size=args.patch_size)
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         processor = AutoImageProcessor.from_pretrained(args.model)

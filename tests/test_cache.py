@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import xattn
-from xattn import CrossAttentionCache
 from conftest import tiny_captioner
+from xattn import CrossAttentionCache
 
 
 def _hf_forward(model, pixels, tokens, cache=None):

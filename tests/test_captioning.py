@@ -135,8 +135,14 @@ def test_nlpconnect_layout_checkpoint_captions_through_model_flag(tmp_path):
     """ViT-B/16 at 224 px + GPT-2 small with bos = eos = decoder_start = 50256 and a GPT-2-style byte-level
     tokenizer: the layout of nlpconnect/vit-gpt2-image-captioning, with random weights."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (GPT2Config, PreTrainedTokenizerFast, VisionEncoderDecoderConfig,
-                              VisionEncoderDecoderModel, ViTConfig, ViTImageProcessor)
+    from transformers import (
+        GPT2Config,
+        PreTrainedTokenizerFast,
+        VisionEncoderDecoderConfig,
+        VisionEncoderDecoderModel,
+        ViTConfig,
+        ViTImageProcessor,
+    )
 
     torch.manual_seed(0)
     decoder = GPT2Config(add_cross_attention=True, is_decoder=True, bos_token_id=50256, eos_token_id=50256)
@@ -146,14 +152,16 @@ def test_nlpconnect_layout_checkpoint_captions_through_model_flag(tmp_path):
     model.generation_config.update(max_length=8, num_beams=2, decoder_start_token_id=50256, eos_token_id=50256,
                                    pad_token_id=50256, bos_token_id=50256)
     model.save_pretrained(tmp_path)
-    ViTImageProcessor(size={"height": 224, "width": 224}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(tmp_path)
+    processor = ViTImageProcessor(size={"height": 224, "width": 224}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor.save_pretrained(tmp_path)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     vocab.update({f"tok{i}": i for i in range(len(vocab), 50256)})
     vocab["<|endoftext|>"] = 50256
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>").save_pretrained(tmp_path)
+    gpt2_style = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    gpt2_style.save_pretrained(tmp_path)
     image = tmp_path / "photo.jpg"
     Image.new("RGB", (320, 240), (90, 140, 200)).save(image)
     out = tmp_path / "out.jsonl"

@@ -19,7 +19,8 @@ def test_load_a_saved_checkpoint_gives_transformers_tokens(tmp_path):
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     loaded = xattn.load(str(tmp_path))
     for kwargs in (dict(max_new_tokens=9), dict(max_new_tokens=9, num_beams=3)):
-        assert torch.equal(loaded.generate(pixel_values=pixels, **kwargs), model.generate(pixel_values=pixels, **kwargs))
+        expected = model.generate(pixel_values=pixels, **kwargs)
+        assert torch.equal(loaded.generate(pixel_values=pixels, **kwargs), expected)
 
 
 def test_gpt2_model_plus_separate_head():
@@ -88,7 +89,8 @@ def test_peak_memory_of_generation_stays_within_a_tenth_of_the_model():
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     m = json.loads(out.stdout.strip().splitlines()[-1])
     extra = m["peak"] - m["base"]
-    assert extra <= 0.1 * m["params"], f"generation added {extra / 2**20:.0f} MiB to a {m['params'] / 2**20:.0f} MiB model"
+    message = f"generation added {extra / 2**20:.0f} MiB to a {m['params'] / 2**20:.0f} MiB model"
+    assert extra <= 0.1 * m["params"], message
 
 
 def test_caller_supplied_embeddings_and_head_match_transformers_forward():

@@ -2,8 +2,8 @@
 
 import torch
 
-from xattn.train import TrainConfig, batch_indices, enable_checkpointing, latest_checkpoint, train
 from conftest import tiny_captioner
+from xattn.train import TrainConfig, batch_indices, enable_checkpointing, latest_checkpoint, train
 
 
 class RandomCaptions:

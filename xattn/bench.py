@@ -66,7 +66,7 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
             pixels = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(batch))
             reference = None
             for name, generate in engines.items():
-                def call(n, generate=generate):
+                def call(n, generate=generate, pixels=pixels, beams=beams):
                     return generate(pixel_values=pixels, max_new_tokens=n, min_new_tokens=n, num_beams=beams)
 
                 call(short), call(long)  # warm-up (and compilation)

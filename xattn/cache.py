@@ -34,7 +34,7 @@ class CrossAttentionCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-    ) -> "CrossAttentionCache":
+    ) -> CrossAttentionCache:
         # zeros, not empty: masked positions still enter the attention matmul and NaN * 0 is NaN.
         shape = (num_layers, batch_size, num_heads, max_length, head_dim)
         return cls(
@@ -93,7 +93,7 @@ class CrossAttentionCache:
         self.keys[:, :, :, :valid].copy_(self.keys[:, :, :, :valid].index_select(1, row_index))
         self.values[:, :, :, :valid].copy_(self.values[:, :, :, :valid].index_select(1, row_index))
 
-    def select_rows(self, row_index: torch.Tensor) -> "CrossAttentionCache":
+    def select_rows(self, row_index: torch.Tensor) -> CrossAttentionCache:
         """A cache holding only the given rows (any subset, any order); cross K/V are shared, not copied."""
         enc_index = self.encoder_rows()
         return CrossAttentionCache(
@@ -106,7 +106,7 @@ class CrossAttentionCache:
             enc_index=None if enc_index is None else enc_index.index_select(0, row_index),
         )
 
-    def expand(self, group: int) -> "CrossAttentionCache":
+    def expand(self, group: int) -> CrossAttentionCache:
         """Each row repeated `group` times (N candidates from one prefill); cross K/V stay shared."""
         rows = torch.arange(self.batch_size, device=self.keys.device).repeat_interleave(group)
         expanded = self.select_rows(rows)
@@ -143,7 +143,7 @@ class CrossAttentionCache:
         *,
         cross_mask: torch.Tensor | None = None,
         dedupe_cross: bool = True,
-    ) -> "CrossAttentionCache":
+    ) -> CrossAttentionCache:
         """Rebuild a cache from per-layer (k, v) or (k, v, cross_k, cross_v) tuples, with room for max_length."""
         layers = list(past_key_values)
         if not layers or len(layers[0]) not in (2, 4):
@@ -176,7 +176,7 @@ class CrossAttentionCache:
         *,
         cross_mask: torch.Tensor | None = None,
         dedupe_cross: bool = True,
-    ) -> "CrossAttentionCache":
+    ) -> CrossAttentionCache:
         """Rebuild from a transformers EncoderDecoderCache (or a plain self-attention Cache)."""
         self_cache = getattr(cache, "self_attention_cache", cache)
         cross_cache = getattr(cache, "cross_attention_cache", None)
@@ -193,7 +193,7 @@ class CrossAttentionCache:
         return self.cross_keys.index_select(1, rows), self.cross_values.index_select(1, rows)
 
     @classmethod
-    def _from_layers(cls, self_kv, cross_kv, max_length, cross_mask, dedupe_cross) -> "CrossAttentionCache":
+    def _from_layers(cls, self_kv, cross_kv, max_length, cross_mask, dedupe_cross) -> CrossAttentionCache:
         k0 = self_kv[0][0]
         batch, heads, length, head_dim = k0.shape
         if length > max_length:

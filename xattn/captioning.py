@@ -9,13 +9,18 @@ import torch
 from .vision import pixel_values
 
 
-def new_scene_captioner(tokenizer, image_size: int = 64):
+def new_scene_captioner(tokenizer, image_size: int = 64, patch_size: int = 8):
     """A small VisionEncoderDecoderModel (ViT, 8 px patches + GPT-2 with cross-attention), random weights,
     and its ViTImageProcessor. Sized to train on 2 CPU cores in well under an hour."""
-    from transformers import (GPT2Config, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig,
-                              ViTImageProcessor)
+    from transformers import (
+        GPT2Config,
+        VisionEncoderDecoderConfig,
+        VisionEncoderDecoderModel,
+        ViTConfig,
+        ViTImageProcessor,
+    )
 
-    encoder = ViTConfig(image_size=image_size, patch_size=8, hidden_size=128, num_hidden_layers=4,
+    encoder = ViTConfig(image_size=image_size, patch_size=patch_size, hidden_size=128, num_hidden_layers=4,
                         num_attention_heads=4, intermediate_size=256, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -151,7 +156,8 @@ def image_files(paths: list[str]) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            files.extend(sorted(os.path.join(path, f) for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS)))
+            names = sorted(f for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
+            files.extend(os.path.join(path, name) for name in names)
         else:
             files.append(path)
     return files

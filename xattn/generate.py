@@ -40,7 +40,7 @@ class GenerationOptions:
     def __post_init__(self):
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        _check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
+        _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
                f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
         _check(self.temperature > 0 and math.isfinite(self.temperature),
                f"temperature must be a positive number, got {self.temperature!r}; use do_sample=False for greedy")
@@ -65,7 +65,7 @@ class GenerationOptions:
                    "or do_sample=True")
 
     @classmethod
-    def from_kwargs(cls, generation_config, prompt_length: int, **kwargs) -> "GenerationOptions":
+    def from_kwargs(cls, generation_config, prompt_length: int, **kwargs) -> GenerationOptions:
         """transformers-style generate() kwargs over a model's generation_config over transformers' defaults."""
         unknown = set(kwargs) - _KWARGS
         if unknown:

@@ -3,6 +3,7 @@ made, and re-running the same command after a kill skips what is done (same outp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -39,8 +40,8 @@ def run_batches(
     done = finished_inputs(output) if output else set()
     pending = [f for f in files if f not in done]
     failures = 0
-    sink = open(output, "a") if output else sys.stdout
-    try:
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open(output, "a")) if output else sys.stdout
         with tqdm(total=len(files), initial=len(files) - len(pending), desc=desc, disable=not progress,
                   file=sys.stderr) as bar:
             for start in range(0, len(pending), batch_size):
@@ -59,7 +60,4 @@ def run_batches(
                     sink.write(json.dumps(results[path]) + "\n")
                 sink.flush()
                 bar.update(len(chunk))
-    finally:
-        if output:
-            sink.close()
     return failures

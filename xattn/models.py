@@ -43,7 +43,7 @@ class XattnModel:
         self._cache_bucket = 1  # cache lengths are rounded up to a multiple of this (compiled: fewer shapes)
 
     # ---- compilation --------------------------------------------------------------------------------------
-    def compile(self, cache_bucket: int = 64, **compile_kwargs) -> "XattnModel":
+    def compile(self, cache_bucket: int = 64, **compile_kwargs) -> XattnModel:
         """Compile the one-token decode step with torch.compile(fullgraph=True); prefill stays eager.
 
         Cache lengths are rounded up to a multiple of cache_bucket so that runs of different lengths reuse
@@ -57,7 +57,9 @@ class XattnModel:
 
     # ---- encoder ---------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, attention_mask: torch.Tensor | None = None, **encoder_inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def encode(
+        self, attention_mask: torch.Tensor | None = None, **encoder_inputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the encoder: (encoder_hidden_states [B, S, D], encoder_attention_mask [B, S] or None)."""
         if self.encoder is None:
             raise ValueError("this model has no encoder: pass encoder_hidden_states (+ encoder_attention_mask)")
@@ -106,9 +108,11 @@ class XattnModel:
         plan = self._plan(*args, **kwargs)
         if plan.opts.num_beams > 1:
             raise ValueError("streaming needs num_beams=1: beam search only knows its best sequence at the end")
-        yield from sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts)
+        yield from sample_stream(
+            self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts
+        )
 
-    def _plan(self, inputs: torch.Tensor | None = None, **kwargs) -> "_Plan":
+    def _plan(self, inputs: torch.Tensor | None = None, **kwargs) -> _Plan:
         """Check the inputs, run the encoder, fill the cache and prefill the prompt."""
         kwargs = dict(kwargs)
         prompt, encoder_inputs, cache_in = self._take_inputs(inputs, kwargs)
@@ -306,7 +310,7 @@ def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | tor
         if dtype is not None:
             from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
         model = model_class.from_pretrained(path_or_id, **from_pretrained_kwargs)
-    except (OSError, EnvironmentError) as error:
+    except OSError as error:
         raise ValueError(f"{path_or_id}: cannot load the checkpoint ({str(error).splitlines()[0]})") from None
     return from_hf(model.to(device))
 

@@ -102,7 +102,8 @@ def train(
     torch.manual_seed(config.seed)
     if config.gradient_checkpointing:
         enable_checkpointing(model)
-    model.config.use_cache = False
+    use_cache = getattr(model.config, "use_cache", None)
+    model.config.use_cache = False  # no K/V cache in training (and it clashes with checkpointing)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -149,6 +150,7 @@ def train(
             break
     bar.close()
     model.eval()
+    model.config.use_cache = use_cache
     plot_history(history, os.path.join(config.output_dir, "loss.png"))
     return history
 
