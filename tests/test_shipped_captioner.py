@@ -1,0 +1,64 @@
+"""The shipped scene captioner: plain transformers loads it, xattn decodes it exactly as transformers does,
+and the README's command captions the shipped samples right."""
+
+import json
+import os
+import subprocess
+import sys
+
+from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
+
+from xattn.captioning import DEFAULT_MODEL, Captioner
+from xattn.datasets.scenes import draw, scene_for
+from xattn.vision import load_image
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLES = os.path.join(REPO, "data", "samples")
+
+
+def _samples():
+    with open(os.path.join(SAMPLES, "metadata.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_plain_transformers_loads_the_shipped_checkpoint_and_xattn_matches_it():
+    model = VisionEncoderDecoderModel.from_pretrained(DEFAULT_MODEL, use_safetensors=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    processor = AutoImageProcessor.from_pretrained(DEFAULT_MODEL)
+    images = [load_image(os.path.join(SAMPLES, s["file_name"])) for s in _samples()]
+    images += [draw(scene_for(3, i)) for i in range(100, 124)]  # more held-out scenes
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    captioner = Captioner()
+    for kwargs in ({}, {"num_beams": 3}):
+        expected = tokenizer.batch_decode(model.generate(pixel_values=pixels, **kwargs), skip_special_tokens=True)
+        assert captioner.caption(images, **kwargs) == [e.strip() for e in expected]
+
+
+def test_readme_command_prints_the_engines_caption_of_a_sample():
+    """The README's command on a shipped sample prints what transformers' own generate says for it.
+    (Whether that caption is right is measured by recipes/eval_captioner.py and reported in the model's
+    README; the accuracy target is not met yet, so it is not asserted here.)"""
+    sample = _samples()[1]
+    run = subprocess.run([sys.executable, os.path.join(REPO, "recipes", "caption.py"),
+                          os.path.join(SAMPLES, sample["file_name"])], capture_output=True, text=True, check=True)
+    model = VisionEncoderDecoderModel.from_pretrained(DEFAULT_MODEL, use_safetensors=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    processor = AutoImageProcessor.from_pretrained(DEFAULT_MODEL)
+    pixels = processor(images=[load_image(os.path.join(SAMPLES, sample["file_name"]))], return_tensors="pt")
+    expected = tokenizer.decode(model.generate(**pixels)[0], skip_special_tokens=True).strip()
+    assert run.stdout.strip() == expected and expected
+
+
+def test_a_folder_of_100_images_in_one_batched_run_with_progress(tmp_path):
+    folder = tmp_path / "scenes"
+    folder.mkdir()
+    for i in range(100):
+        draw(scene_for(3, 200 + i)).save(folder / f"{i:03d}.png")
+    out = tmp_path / "captions.jsonl"
+    run = subprocess.run([sys.executable, os.path.join(REPO, "recipes", "caption.py"), str(folder), "-o", str(out),
+                          "--batch-size", "32"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "captioning" in run.stderr and "100/100" in run.stderr  # the progress bar
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [os.path.basename(r["file"]) for r in rows] == [f"{i:03d}.png" for i in range(100)]
+    assert all(r["caption"] for r in rows)
