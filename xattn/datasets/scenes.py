@@ -128,18 +128,11 @@ def write_imagefolder(directory: str, count: int, seed: int, progress: bool = Tr
     """
     from tqdm import tqdm
 
+    from ..jobs import finished_inputs
+
     os.makedirs(directory, exist_ok=True)
     metadata = os.path.join(directory, "metadata.jsonl")
-    done = 0
-    if os.path.exists(metadata):
-        with open(metadata) as f:
-            lines = f.read().split("\n")
-        complete = [line for line in lines if line.strip()]
-        if lines and lines[-1].strip():  # last line was cut mid-write
-            complete = complete[:-1]
-        done = len(complete)
-        with open(metadata, "w") as f:
-            f.write("".join(line + "\n" for line in complete))
+    done = len(finished_inputs(metadata, key="file_name"))  # also drops a line cut by a kill
     with open(metadata, "a") as f:
         for index in tqdm(range(done, count), desc=os.path.basename(directory), disable=not progress, initial=done,
                           total=count):
