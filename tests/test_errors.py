@@ -78,6 +78,8 @@ def test_mask_shape_and_missing_inputs(engine):
                         max_new_tokens=3)
     with pytest.raises(ValueError, match="pass pixel_values"):
         engine.generate(max_new_tokens=3)
+    with pytest.raises(ValueError, match="with a cache, pass decoder_input_ids"):
+        engine.generate(past_key_values=((torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8)),) * 2)
     with pytest.raises(ValueError, match="pass one encoder input"):
         engine.generate(pixel_values=torch.randn(1, 3, 32, 32), encoder_hidden_states=torch.randn(1, 5, 32))
 

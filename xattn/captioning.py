@@ -108,10 +108,11 @@ class Captioner:
         """Caption one image and draw, for each generated token, its cross-attention over the image patches
         (mean over layers and heads) as a PNG grid. Returns the caption."""
         pixels = pixel_values(self.processor, [image])
-        ids = self.engine.generate(pixel_values=pixels, **generate_kwargs)[:1]
+        out = self.engine.generate(pixel_values=pixels, return_dict_in_generate=True, **generate_kwargs)
+        ids = out.sequences[:1]
         decoder = self.engine.decoder
-        states, mask = self.engine.encode(pixel_values=pixels)
-        cache = decoder.new_cache(1, ids.shape[1], states, mask)
+        cache = decoder.new_cache(1, ids.shape[1])  # replay from position 0, reading the cross K/V computed once
+        cache.set_cross(out.cache.cross_keys, out.cache.cross_values, out.cache.cross_mask)
         probs = decoder.cross_attention_probs(cache, ids)  # [layers, 1, H, T, S]
         # the attention while predicting token t+1 is the one of position t
         weights = probs.mean(dim=(0, 2))[0, :-1]  # [T-1, S]

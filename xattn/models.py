@@ -129,9 +129,9 @@ class XattnModel:
         elif self.is_encoder_decoder and cache_in is None:
             raise ValueError(f"pass {self._main_input_name()} (or encoder_hidden_states) to generate from")
 
-        batch = states.shape[0] if states is not None else prompt.shape[0] if prompt is not None else None
-        if batch is None:
-            batch = _adopt_cache(cache_in, 1).batch_size if cache_in is not None else 1
+        if cache_in is not None and prompt is None:
+            raise ValueError("with a cache, pass decoder_input_ids: the sequence so far plus at least one new token")
+        batch = states.shape[0] if states is not None else prompt.shape[0] if prompt is not None else 1
         prompt = self._prompt(prompt, batch, kwargs)
         if prompt.shape[0] != batch:
             raise ValueError(f"batch sizes differ: {batch} encoder rows but {prompt.shape[0]} decoder prompts; "
