@@ -104,3 +104,35 @@ def save(results: list[Measurement], path: str) -> None:
     }
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
+
+
+def training_step_cost(checkpointing: bool, batch: int = 8, tokens: int = 32, steps: int = 2,
+                       threads: int = 2) -> dict:
+    """Seconds per AdamW step (best of `steps`) and the process's peak RSS, training the ViT-B/16 + GPT-2
+    small captioner with or without gradient checkpointing. Run each setting in its own process: peak RSS
+    is per process."""
+    import resource
+
+    from .train import enable_checkpointing
+
+    torch.set_num_threads(threads)
+    model = vit_gpt2_small().train()
+    model.config.use_cache = False
+    if checkpointing:
+        enable_checkpointing(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randn(batch, 3, 224, 224, generator=generator)
+    labels = torch.randint(0, 50000, (batch, tokens), generator=generator)
+
+    def step():
+        loss = model(pixel_values=pixels, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state exists from here on, as in a real run
+    seconds, _ = _timed(step, steps)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return {"gradient_checkpointing": checkpointing, "batch": batch, "tokens": tokens,
+            "seconds_per_step": seconds, "peak_rss_mb": peak_mb}

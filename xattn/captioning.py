@@ -154,11 +154,6 @@ def _draw_attention(image, weights: torch.Tensor, words: list[str], path: str) -
 
 def image_files(paths: list[str]) -> list[str]:
     """Files as given, folders expanded to their image files (sorted)."""
-    files = []
-    for path in paths:
-        if os.path.isdir(path):
-            names = sorted(f for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
-            files.extend(os.path.join(path, name) for name in names)
-        else:
-            files.append(path)
-    return files
+    from .jobs import input_files
+
+    return input_files(paths, IMAGE_EXTENSIONS)

@@ -46,7 +46,6 @@ def _caption(args) -> int:
     import torch
 
     from .captioning import Captioner, image_files
-    from .jobs import run_batches
     from .vision import load_image
 
     if args.seed is not None:
@@ -60,22 +59,42 @@ def _caption(args) -> int:
         print(caption)
         print(f"wrote {args.attention_map}", file=sys.stderr)
         return 0
-    files = image_files(args.images)
+    return _run_files(args, image_files(args.images), load_image, captioner.caption, "caption")
+
+
+def _transcribe(args) -> int:
+    from .speech import Transcriber, audio_files
+
+    if args.seed is not None:
+        import torch
+
+        torch.manual_seed(args.seed)
+    transcriber = Transcriber(args.model, max_seconds=args.max_seconds, compile=args.compile)
+    return _run_files(args, audio_files(args.audio), transcriber.load, transcriber.transcribe, "text")
+
+
+def _run_files(args, files: list[str], load, infer, key: str) -> int:
+    """One file without --output: print its result. Otherwise a batched, resumable JSONL job with a progress
+    bar; infer(items, **generation kwargs) -> num_return_sequences strings per item."""
+    from .jobs import run_batches
+
     if not files:
-        raise ValueError(f"no image files in {args.images}")
-    per_image = kwargs.get("num_return_sequences", 1)
+        raise ValueError("no input files found in the given paths")
+    kwargs = _generation_kwargs(args)
+    per_file = kwargs.get("num_return_sequences", 1)
 
-    def process(images):
-        captions = captioner.caption(images, **kwargs)
-        if per_image == 1:
-            return [{"caption": c} for c in captions]
-        return [{"captions": captions[i * per_image : (i + 1) * per_image]} for i in range(len(images))]
+    def process(items):
+        out = infer(items, **kwargs)
+        if per_file == 1:
+            return [{key: text} for text in out]
+        return [{key + "s": out[i * per_file : (i + 1) * per_file]} for i in range(len(items))]
 
-    if args.output is None and len(files) == 1:  # one image: just the caption
-        print(process([load_image(files[0])])[0].get("caption"))
+    if args.output is None and len(files) == 1:
+        result = process([load(files[0])])[0]
+        print(result.get(key, result.get(key + "s")))
         return 0
-    failed = run_batches(files, load_image, process, args.output, args.batch_size,
-                         progress=not args.quiet, desc="captioning")
+    failed = run_batches(files, load, process, args.output, args.batch_size, progress=not args.quiet,
+                         desc={"caption": "captioning", "transcribe": "transcribing"}.get(args.command, args.command))
     if failed:
         print(f"{failed} of {len(files)} files failed (see their 'error' in the output)", file=sys.stderr)
     return 1 if failed else 0
@@ -105,7 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     _add_generation_flags(caption)
     caption.set_defaults(run=_caption)
 
-    for sub in (bench, caption):
+    transcribe = commands.add_parser("transcribe", help="transcribe audio files (or folders) with a "
+                                     "SpeechEncoderDecoder model")
+    transcribe.add_argument("audio", nargs="+", help="audio files (wav, flac, ogg, ...; any rate, mono or stereo) "
+                            "or folders of them")
+    transcribe.add_argument("--model", help="checkpoint directory or hub id (default: the shipped digit recognizer)")
+    transcribe.add_argument("--output", "-o", help="JSON lines output; re-running resumes after what is done")
+    transcribe.add_argument("--batch-size", type=int, default=16)
+    transcribe.add_argument("--max-seconds", type=float, default=20.0,
+                            help="refuse longer audio (the shipped model heard at most ~4 s in training)")
+    transcribe.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    transcribe.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_generation_flags(transcribe)
+    transcribe.set_defaults(run=_transcribe)
+
+    for sub in (bench, caption, transcribe):
         sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
     try:

@@ -10,6 +10,18 @@ import sys
 from collections.abc import Callable
 
 
+def input_files(paths: list[str], extensions: tuple[str, ...]) -> list[str]:
+    """Files as given, folders expanded to their files with one of `extensions` (sorted)."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            names = sorted(f for f in os.listdir(path) if f.lower().endswith(extensions))
+            files.extend(os.path.join(path, name) for name in names)
+        else:
+            files.append(path)
+    return files
+
+
 def finished_inputs(output: str, key: str = "file") -> set[str]:
     """Inputs already in the JSONL output; a line cut by a kill is dropped from the file."""
     if not os.path.exists(output):

@@ -1,0 +1,60 @@
+"""Audio files -> mono float32 waveforms at the model's sample rate -> the model's own input features.
+
+Reading is soundfile's (wav, flac, ogg, mp3, ...; no torchaudio or torchcodec), resampling is scipy's
+polyphase filter, features are the checkpoint's transformers feature extractor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+
+def load_audio(path: str, sampling_rate: int = 16_000) -> np.ndarray:
+    """Any soundfile-readable file, any sample rate and channel count, as mono float32 at `sampling_rate`.
+    ValueError naming the file for a missing, unreadable, empty or non-finite file."""
+    import soundfile
+
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file")
+    try:
+        samples, rate = soundfile.read(path, dtype="float32", always_2d=True)  # [frames, channels]
+    except Exception as error:  # soundfile raises LibsndfileError, RuntimeError, TypeError... for bad files
+        raise ValueError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from None
+    try:
+        return to_mono(samples, rate, sampling_rate)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def to_mono(samples: np.ndarray, rate: int, sampling_rate: int = 16_000) -> np.ndarray:
+    """[frames] or [frames, channels] at `rate` -> mono float32 [frames'] at `sampling_rate`."""
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.ndim == 2:
+        samples = samples.mean(axis=1)
+    if samples.ndim != 1:
+        raise ValueError(f"audio must be [frames] or [frames, channels], got shape {samples.shape}")
+    if samples.size == 0:
+        raise ValueError("the audio has no samples")
+    if not np.isfinite(samples).all():
+        raise ValueError("the audio contains NaN or infinite samples")
+    if rate != sampling_rate:
+        from scipy.signal import resample_poly
+
+        g = math.gcd(int(rate), int(sampling_rate))
+        samples = resample_poly(samples, sampling_rate // g, int(rate) // g).astype(np.float32)
+    return samples
+
+
+def input_features(feature_extractor, waveforms: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """Waveforms (at the extractor's rate) -> the encoder's inputs, padded, with an attention mask."""
+    extra = {}
+    if getattr(feature_extractor, "stride", None):  # frames stacked `stride` at a time (SeamlessM4T, w2v-BERT):
+        extra["pad_to_multiple_of"] = feature_extractor.stride  # no frame dropped, so a row's frames never
+        # depend on the rest of the batch
+    features = feature_extractor(waveforms, sampling_rate=feature_extractor.sampling_rate, padding=True,
+                                 return_attention_mask=True, return_tensors="pt", **extra)
+    return {k: v for k, v in features.items() if k in ("input_values", "input_features", "attention_mask")}

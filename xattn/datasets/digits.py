@@ -1,0 +1,88 @@
+"""Spoken digit strings synthesized with espeak-ng, saved as wav files + metadata.jsonl (spec in data/README.md).
+
+An utterance is 1-6 digits spoken as words ("four two seven"), by one of espeak-ng's English voices with one
+of its voice variants, at a random speed and pitch. Splits are made by voice *variant*: the held-out
+variants are never heard in training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+
+DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+VOICES = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd", "en-029",
+          "en-us-nyc")
+# espeak-ng's variants (voices/!v), less the novelty ones (robots, whispers, croaks) nobody speaks like
+TRAIN_VARIANTS = ("Alex", "Andrea", "Andy", "Annie", "Denis", "Diogo", "Gene", "Henrique", "Hugo", "Jacky",
+                  "Lee", "Marco", "Mario", "Michael", "Nguyen", "adam", "anika", "announcer", "antonio",
+                  "aunty", "belinda", "boris", "caleb", "david", "ed", "edward", "f1", "f2", "f3", "f5",
+                  "grandma", "grandpa", "gustave", "iven", "iven2", "john", "linda", "m1", "m2", "m4", "m5",
+                  "m6", "m8", "marcelo", "max", "michel", "miguel", "norbert", "pablo", "paul", "pedro",
+                  "quincy", "rob", "robert", "sandro", "shelby", "steph", "steph3", "travis", "victor", "zac")
+HELD_OUT_VARIANTS = ("Alicia", "Mike", "benjamin", "f4", "iven3", "m3", "m7", "steph2")
+SPEEDS = (120, 200)  # words per minute, uniform
+PITCHES = (25, 75)  # espeak-ng's 0-99 scale, uniform
+
+
+@dataclass(frozen=True)
+class Utterance:
+    text: str  # "four two seven"
+    voice: str  # espeak-ng language voice, e.g. "en-gb"
+    variant: str  # espeak-ng voice variant, e.g. "f3"
+    speed: int
+    pitch: int
+
+
+def utterance_for(seed: int, index: int, variants: tuple[str, ...]) -> Utterance:
+    """The index-th utterance of a split: a pure function of (seed, index), so splits remake identically."""
+    rng = random.Random(seed * 1_000_003 + index)
+    digits = [rng.choice(DIGITS) for _ in range(rng.randint(1, 6))]
+    return Utterance(" ".join(digits), rng.choice(VOICES), rng.choice(variants), rng.randint(*SPEEDS),
+                     rng.randint(*PITCHES))
+
+
+def espeak() -> str:
+    path = shutil.which("espeak-ng")
+    if path is None:
+        raise RuntimeError("espeak-ng is not installed (Debian/Ubuntu: apt-get install espeak-ng)")
+    return path
+
+
+def synthesize(utterance: Utterance, path: str) -> None:
+    """Write the utterance as espeak-ng speaks it (a 22050 Hz mono wav)."""
+    voice = f"{utterance.voice}+{utterance.variant}"
+    subprocess.run([espeak(), "-v", voice, "-s", str(utterance.speed), "-p", str(utterance.pitch), "-w", path,
+                    utterance.text], check=True, capture_output=True)
+
+
+def write_split(directory: str, count: int, seed: int, variants: tuple[str, ...], progress: bool = True) -> None:
+    """wav files + metadata.jsonl (file_name, text, voice, variant, speed, pitch); resumable like the scenes."""
+    from tqdm import tqdm
+
+    from ..jobs import finished_inputs
+
+    os.makedirs(directory, exist_ok=True)
+    metadata = os.path.join(directory, "metadata.jsonl")
+    done = len(finished_inputs(metadata, key="file_name"))
+    with open(metadata, "a") as f:
+        for index in tqdm(range(done, count), desc=os.path.basename(directory), disable=not progress, initial=done,
+                          total=count):
+            utterance = utterance_for(seed, index, variants)
+            name = f"{index:06d}.wav"
+            synthesize(utterance, os.path.join(directory, name))
+            f.write(json.dumps({"file_name": name, **asdict(utterance)}) + "\n")
+            f.flush()
+
+
+def read_split(directory: str) -> list[dict]:
+    """The rows of metadata.jsonl, each with an absolute `path` to its audio file."""
+    with open(os.path.join(directory, "metadata.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for row in rows:
+        row["path"] = os.path.join(directory, row["file_name"])
+    return rows

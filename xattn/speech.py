@@ -1,0 +1,164 @@
+"""Speech transcription: the digit recognizer's architecture, its training batches, word error rate and the
+Transcriber (any SpeechEncoderDecoder checkpoint, decoding through the xattn engine)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .audio import input_features, load_audio
+
+
+def new_digit_recognizer(tokenizer):
+    """A small SpeechEncoderDecoderModel (Wav2Vec2-BERT conformer encoder over log-mel features + GPT-2 with
+    cross-attention), random weights, and its feature extractor. Sized to train on 2 CPU cores in under an hour."""
+    from transformers import (
+        GPT2Config,
+        SeamlessM4TFeatureExtractor,
+        SpeechEncoderDecoderConfig,
+        SpeechEncoderDecoderModel,
+        Wav2Vec2BertConfig,
+    )
+
+    # 80 log-mel bins every 10 ms, four frames stacked: 320 features at 25 frames/s. The conformer's depthwise
+    # convolution is causal and masked, so a padded batch equals its rows alone.
+    encoder = Wav2Vec2BertConfig(hidden_size=144, num_hidden_layers=4, num_attention_heads=4, intermediate_size=384,
+                                 feature_projection_input_dim=320, conv_depthwise_kernel_size=15,
+                                 position_embeddings_type="rotary", layerdrop=0.0, conformer_conv_dropout=0.0,
+                                 mask_time_prob=0.05, mask_time_length=4, mask_time_min_masks=1)
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    decoder = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=128, n_layer=2, n_head=4,
+                         add_cross_attention=True, is_decoder=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                         attn_pdrop=0.0, **special)
+    config = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id = tokenizer.bos_token_id
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model = SpeechEncoderDecoderModel(config)
+    model.generation_config.update(decoder_start_token_id=tokenizer.bos_token_id, max_new_tokens=16, **special)
+    features = SeamlessM4TFeatureExtractor(feature_size=80, num_mel_bins=80, sampling_rate=16_000, stride=4)
+    return model, features
+
+
+class SpeechBatches:
+    """Examples {"path": audio file, "text": transcript} -> model kwargs with labels (padding ignored).
+
+    Each file's features are computed once and kept (epochs after the first only pad them): a padded batch of
+    kept features equals the feature extractor run on the whole batch, since padding is zeros after the
+    per-utterance normalisation."""
+
+    def __init__(self, feature_extractor, tokenizer, keep_features: bool = True):
+        self.feature_extractor, self.tokenizer = feature_extractor, tokenizer
+        self.keep_features = keep_features
+        self._features: dict[str, torch.Tensor] = {}
+
+    def features(self, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The file's encoder input ([frames, features] or [samples]) and its attention mask."""
+        found = self._features.get(path)
+        if found is None:
+            waveform = load_audio(path, self.feature_extractor.sampling_rate)
+            inputs = input_features(self.feature_extractor, [waveform])
+            name = "input_features" if "input_features" in inputs else "input_values"
+            found = inputs[name][0], inputs["attention_mask"][0]
+            if self.keep_features:
+                self._features[path] = found
+        return found
+
+    def __call__(self, examples: list[dict]) -> dict:
+        eos = self.tokenizer.eos_token
+        encoded = self.tokenizer([e["text"] + eos for e in examples], padding=True, return_tensors="pt")
+        labels = encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100)
+        rows, masks = zip(*(self.features(e["path"]) for e in examples))
+        padded = torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+        mask = torch.nn.utils.rnn.pad_sequence(list(masks), batch_first=True)
+        name = "input_features" if padded.ndim == 3 else "input_values"
+        return {name: padded, "attention_mask": mask, "labels": labels}
+
+
+def word_errors(truth: str, guess: str) -> int:
+    """Word-level edit distance (substitutions + insertions + deletions)."""
+    a, b = truth.split(), guess.split()
+    row = list(range(len(b) + 1))
+    for i, word in enumerate(a, start=1):
+        previous, row[0] = row[0], i
+        for j, other in enumerate(b, start=1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (word != other))
+    return row[-1]
+
+
+def transcription_scores(truths: list[str], guesses: list[str]) -> dict:
+    """Word error rate (errors / reference words) and exact-match rate."""
+    errors = sum(word_errors(t, g) for t, g in zip(truths, guesses))
+    words = sum(len(t.split()) for t in truths)
+    exact = sum(t == g for t, g in zip(truths, guesses))
+    return {"wer": errors / max(words, 1), "exact_match": exact / max(len(truths), 1)}
+
+
+@torch.no_grad()
+def transcription_accuracy(engine, feature_extractor, tokenizer, rows, limit: int | None = None, batch_size: int = 32,
+                           progress: bool = False) -> dict:
+    """WER and exact match of greedy transcripts (decoded by the xattn engine) of rows {"path", "text"}."""
+    from tqdm import tqdm
+
+    n = len(rows) if limit is None else min(limit, len(rows))
+    truths, guesses = [], []
+    for start in tqdm(range(0, n, batch_size), desc="evaluating", disable=not progress):
+        batch = [rows[i] for i in range(start, min(start + batch_size, n))]
+        waveforms = [load_audio(r["path"], feature_extractor.sampling_rate) for r in batch]
+        out = engine.generate(**input_features(feature_extractor, waveforms))
+        guesses += [t.strip() for t in tokenizer.batch_decode(out, skip_special_tokens=True)]
+        truths += [r["text"] for r in batch]
+    return transcription_scores(truths, guesses)
+
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "models",
+                             "digit-recognizer")
+AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".mp3", ".aiff", ".aif")
+
+
+class Transcriber:
+    """A SpeechEncoderDecoder checkpoint (directory or hub id) with its tokenizer and feature extractor, decoding
+    through the xattn engine. Audio longer than `max_seconds` is refused (the model never heard longer audio)."""
+
+    def __init__(self, model: str | None = None, max_seconds: float = 20.0, compile: bool = False):
+        from transformers import AutoFeatureExtractor, AutoTokenizer
+
+        from .models import load
+
+        path = model or DEFAULT_MODEL
+        if model is None and not os.path.isdir(path):
+            raise ValueError(f"the shipped recognizer is not at {path}; pass --model with a checkpoint")
+        self.engine = load(path)
+        if self.engine.encoder is None or getattr(self.engine.encoder, "main_input_name", "") not in (
+                "input_values", "input_features"):
+            raise ValueError(f"{path} is not a speech model (no speech encoder)")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
+        self.sampling_rate = self.feature_extractor.sampling_rate
+        self.max_seconds = max_seconds
+        if compile:
+            self.engine.compile()
+
+    def load(self, path: str) -> np.ndarray:
+        """The file as the model hears it; ValueError if it is longer than the model's window."""
+        waveform = load_audio(path, self.sampling_rate)
+        seconds = len(waveform) / self.sampling_rate
+        if seconds > self.max_seconds:
+            raise ValueError(f"{path}: {seconds:.1f} s of audio; this model transcribes at most "
+                             f"{self.max_seconds:g} s (split it, or raise --max-seconds)")
+        return waveform
+
+    @torch.no_grad()
+    def transcribe(self, waveforms: list[np.ndarray], **generate_kwargs) -> list[str]:
+        """Transcripts of waveforms at the model's sample rate, padded into one batch (each row stops on its own)."""
+        out = self.engine.generate(**input_features(self.feature_extractor, waveforms), **generate_kwargs)
+        return [text.strip() for text in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+
+def audio_files(paths: list[str]) -> list[str]:
+    """Files as given, folders expanded to their audio files (sorted)."""
+    from .jobs import input_files
+
+    return input_files(paths, AUDIO_EXTENSIONS)
