@@ -177,11 +177,13 @@ def sample_stream(
     prompt_length: int,
     logits: torch.Tensor,
     opts: GenerationOptions,
+    position_offset: int = 0,
 ) -> Iterator[torch.Tensor]:
     """Greedy or sampled tokens, one [B] tensor per step, written into sequences [B, prompt + max_new].
 
     logits: [B, V] from the prefill. Rows that emitted EOS get pad_token_id afterwards; the stream ends
-    when every row has stopped or max_new_tokens are out.
+    when every row has stopped or max_new_tokens are out. position_offset: cache positions before
+    sequences[:, 0] (a prefix of embeddings that has no token ids).
     """
     rows = sequences.shape[0]
     unfinished = torch.ones(rows, dtype=torch.bool, device=sequences.device)
@@ -203,8 +205,8 @@ def sample_stream(
             if not bool(unfinished.any()):
                 return
         if i + 1 < opts.max_new_tokens:
-            logits = step(tokens, cache, torch.tensor(cur, device=tokens.device))
-            cache.length = cur + 1
+            logits = step(tokens, cache, torch.tensor(position_offset + cur, device=tokens.device))
+            cache.length = position_offset + cur + 1
 
 
 # ---- beam search ------------------------------------------------------------------------------------------
