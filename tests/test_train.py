@@ -82,3 +82,48 @@ def test_batches_cover_each_epoch_once():
     seen = torch.cat([batch_indices(s, 50, 8, seed=1) for s in range(6)])
     assert sorted(seen.tolist()) == sorted(set(seen.tolist())) and len(seen) == 48
     assert not torch.equal(batch_indices(0, 50, 8, seed=1), batch_indices(6, 50, 8, seed=1))
+
+
+_KILLABLE_RUN = """
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+from test_train import RandomCaptions, collate, _dropout_model
+from xattn.train import TrainConfig, train
+
+def slow_collate(rows):  # slow enough that the kill lands between checkpoints
+    time.sleep(0.3)
+    return collate(rows)
+
+train(_dropout_model(), RandomCaptions(), slow_collate, TrainConfig(output_dir={out!r}, **{kwargs!r}),
+      progress=False, resume=True)
+"""
+
+
+def test_run_killed_between_checkpoints_resumes_to_the_same_weights(tmp_path):
+    """SIGKILL a training process after its first checkpoint, mid-way to the next; rerun with resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = RandomCaptions()
+    kwargs = dict(max_steps=9, batch_size=8, learning_rate=3e-3, warmup_steps=2, save_every=3, eval_every=100,
+                  seed=5, mixed_precision="no")
+    whole = _dropout_model()
+    train(whole, data, collate, TrainConfig(output_dir=str(tmp_path / "whole"), **kwargs), progress=False)
+
+    out = str(tmp_path / "killed")
+    script = _KILLABLE_RUN.format(tests=os.path.dirname(__file__), out=out, kwargs=kwargs)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.time() + 120
+    while latest_checkpoint(out) is None and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.45)  # one or two steps past checkpoint-3, before checkpoint-6
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert latest_checkpoint(out).endswith("checkpoint-3")
+    resumed = _dropout_model(seed=78)
+    train(resumed, data, collate, TrainConfig(output_dir=out, **kwargs), progress=False, resume=True)
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
