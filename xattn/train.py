@@ -95,9 +95,15 @@ def train(
 
     stop_after: stop (after checkpointing) once this many steps are done in this call — for tests and for
     splitting a long run into pieces.
+
+    Under torchrun (WORLD_SIZE > 1) it trains with DistributedDataParallel: every process takes its share of
+    each global batch of `batch_size`, the loss is weighted so the gradients equal one process's on the whole
+    batch, and process 0 alone evaluates and writes checkpoints.
     """
     from tqdm import tqdm
 
+    world = _distributed()
+    rank = world.rank if world else 0
     os.makedirs(config.output_dir, exist_ok=True)
     torch.manual_seed(config.seed)
     if config.gradient_checkpointing:
@@ -115,28 +121,42 @@ def train(
     if resume:
         step, history = _load_checkpoint(model, optimizer, config.output_dir)
     use_bf16 = config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and cpu_has_native_bf16())
+    if world and config.batch_size % world.size:
+        raise ValueError(f"batch_size {config.batch_size} is the global batch: make it a multiple of the "
+                         f"{world.size} processes")
+    # find_unused_parameters: encoders carry parts a captioner never uses (ViT's pooler)
+    runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world else model
 
     model.train()
-    bar = tqdm(total=config.max_steps, initial=step, desc="training", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=config.max_steps, initial=step, desc="training", disable=not progress or rank != 0,
+               dynamic_ncols=True)
     done_here = 0
     while step < config.max_steps:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, config)
-        examples = [dataset[int(i)] for i in batch_indices(step, len(dataset), config.batch_size, config.seed)]
-        inputs = collate(examples)
+        indices = batch_indices(step, len(dataset), config.batch_size, config.seed)
+        if world:
+            indices = indices.chunk(world.size)[rank]
+        inputs = collate([dataset[int(i)] for i in indices])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-            loss = model(**inputs).loss
+            loss = runner(**inputs).loss
         optimizer.zero_grad(set_to_none=True)
+        if world:  # DDP averages gradients over processes: weight each share by its tokens in the whole batch
+            loss = _global_token_mean(loss, inputs["labels"], world.size)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         step += 1
         done_here += 1
         history["step"].append(step)
+        if world:  # log the whole batch's loss: the re-weighted shares sum to world size x the mean
+            loss = loss.detach().clone()
+            torch.distributed.all_reduce(loss)
+            loss /= world.size
         history["loss"].append(loss.item())
         bar.update(1)
         bar.set_postfix(loss=f"{history['loss'][-1]:.4f}")
-        if evaluate is not None and (step % config.eval_every == 0 or step == config.max_steps):
+        if evaluate is not None and rank == 0 and (step % config.eval_every == 0 or step == config.max_steps):
             model.eval()
             metrics = evaluate(model)
             model.train()
@@ -145,14 +165,47 @@ def train(
             plot_history(history, os.path.join(config.output_dir, "loss.png"))
         stopping = stop_after is not None and done_here >= stop_after
         if step % config.save_every == 0 or step == config.max_steps or stopping:
-            _save_checkpoint(model, optimizer, step, history, config)
+            if rank == 0:
+                _save_checkpoint(model, optimizer, step, history, config)
+            if world:
+                torch.distributed.barrier()  # nobody runs ahead of (or resumes from) a half-written checkpoint
         if stopping:
             break
     bar.close()
     model.eval()
     model.config.use_cache = use_cache
-    plot_history(history, os.path.join(config.output_dir, "loss.png"))
+    if rank == 0:
+        plot_history(history, os.path.join(config.output_dir, "loss.png"))
     return history
+
+
+# ---- several processes (torchrun) -------------------------------------------------------------------------
+@dataclass
+class _World:
+    rank: int
+    size: int
+
+
+def _distributed() -> _World | None:
+    """Join torchrun's process group (gloo on CPU, nccl on GPUs) when WORLD_SIZE > 1."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return _World(dist.get_rank(), dist.get_world_size())
+
+
+def _global_token_mean(local_mean: torch.Tensor, labels: torch.Tensor, world_size: int) -> torch.Tensor:
+    """This process's token-mean loss re-weighted so that DDP's gradient average is the whole batch's mean."""
+    import torch.distributed as dist
+
+    local_tokens = (labels != -100).sum().to(torch.float64)
+    total = local_tokens.clone()
+    dist.all_reduce(total)
+    return local_mean * (local_tokens * world_size / total).to(local_mean.dtype)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
