@@ -40,9 +40,8 @@ def test_two_processes_equal_one(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_RUN.format(tests=os.path.dirname(__file__), out=out, kwargs=KWARGS))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29517", str(script)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run = subprocess.run([*torchrun, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     with open(os.path.join(out, "latest")) as f:
         weights = load_file(os.path.join(out, f.read().strip(), "weights.safetensors"))

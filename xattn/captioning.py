@@ -83,7 +83,7 @@ class Captioner:
     """A VisionEncoderDecoder checkpoint (directory or hub id) with its tokenizer and image processor,
     decoding through the xattn engine."""
 
-    def __init__(self, model: str | None = None, compile: bool = False):
+    def __init__(self, model: str | None = None, compile: bool = False, allow_pickle: bool = False):
         from transformers import AutoImageProcessor, AutoTokenizer
 
         from .models import load
@@ -91,7 +91,7 @@ class Captioner:
         path = model or DEFAULT_MODEL
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped captioner is not at {path}; pass --model with a checkpoint")
-        self.engine = load(path)
+        self.engine = load(path, allow_pickle=allow_pickle)
         if self.engine.encoder is None:
             raise ValueError(f"{path} is not an image captioner (no vision encoder)")
         self.tokenizer = AutoTokenizer.from_pretrained(path)

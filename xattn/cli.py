@@ -50,7 +50,7 @@ def _caption(args) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    captioner = Captioner(args.model, compile=args.compile)
+    captioner = Captioner(args.model, compile=args.compile, allow_pickle=args.allow_pickle)
     kwargs = _generation_kwargs(args)
     if args.attention_map:
         if len(args.images) != 1 or os.path.isdir(args.images[0]):
@@ -69,8 +69,19 @@ def _transcribe(args) -> int:
         import torch
 
         torch.manual_seed(args.seed)
-    transcriber = Transcriber(args.model, max_seconds=args.max_seconds, compile=args.compile)
+    transcriber = Transcriber(args.model, max_seconds=args.max_seconds, compile=args.compile,
+                              allow_pickle=args.allow_pickle)
     return _run_files(args, audio_files(args.audio), transcriber.load, transcriber.transcribe, "text")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N, e.g. 0/4, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard I/N needs 0 <= I < N, got {text!r}")
+    return index, count
 
 
 def _run_files(args, files: list[str], load, infer, key: str) -> int:
@@ -80,6 +91,9 @@ def _run_files(args, files: list[str], load, infer, key: str) -> int:
 
     if not files:
         raise ValueError("no input files found in the given paths")
+    if args.shard:  # every file, sorted paths included, lands in exactly one shard
+        index, count = args.shard
+        files = files[index::count]
     kwargs = _generation_kwargs(args)
     per_file = kwargs.get("num_return_sequences", 1)
 
@@ -138,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_generation_flags(transcribe)
     transcribe.set_defaults(run=_transcribe)
 
+    for sub in (caption, transcribe):
+        sub.add_argument("--allow-pickle", action="store_true", help="also load pickle-based weights "
+                         "(pytorch_model.bin), through torch.load(weights_only=True); only for checkpoints you trust")
+        sub.add_argument("--shard", type=_shard, metavar="I/N", help="process only the I-th of N equal shares of "
+                         "the files (I from 0); run N such jobs on N processes or machines, each resumable")
     for sub in (bench, caption, transcribe):
         sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)

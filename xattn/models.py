@@ -295,11 +295,12 @@ def _gpt2_parts(model: nn.Module, lm_head: nn.Module | None):
 
 
 def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-         **from_pretrained_kwargs) -> XattnModel:
-    """from_pretrained (safetensors only, never remote code) + from_hf."""
+         allow_pickle: bool = False, **from_pretrained_kwargs) -> XattnModel:
+    """from_pretrained + from_hf. Weights load from safetensors; pickle-based weights (pytorch_model.bin) only
+    with allow_pickle=True, and then through torch.load(weights_only=True). Never remote code."""
     from transformers import AutoConfig
 
-    from_pretrained_kwargs.setdefault("use_safetensors", True)
+    from_pretrained_kwargs["use_safetensors"] = not allow_pickle or None  # None: safetensors first, else .bin
     from_pretrained_kwargs.pop("trust_remote_code", None)  # never run code shipped with a checkpoint
     looks_local = os.path.sep in path_or_id or path_or_id.startswith(".") or os.path.exists(path_or_id)
     if looks_local and not os.path.isdir(path_or_id):
@@ -311,7 +312,11 @@ def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | tor
             from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
         model = model_class.from_pretrained(path_or_id, **from_pretrained_kwargs)
     except OSError as error:
-        raise ValueError(f"{path_or_id}: cannot load the checkpoint ({str(error).splitlines()[0]})") from None
+        hint = ""
+        if not allow_pickle and os.path.isdir(path_or_id) and any(
+                f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path_or_id)):
+            hint = "; it holds pickle-based weights only: pass allow_pickle=True (--allow-pickle) if you trust it"
+        raise ValueError(f"{path_or_id}: cannot load the checkpoint ({str(error).splitlines()[0]}){hint}") from None
     return from_hf(model.to(device))
 
 

@@ -122,7 +122,8 @@ class Transcriber:
     """A SpeechEncoderDecoder checkpoint (directory or hub id) with its tokenizer and feature extractor, decoding
     through the xattn engine. Audio longer than `max_seconds` is refused (the model never heard longer audio)."""
 
-    def __init__(self, model: str | None = None, max_seconds: float = 20.0, compile: bool = False):
+    def __init__(self, model: str | None = None, max_seconds: float = 20.0, compile: bool = False,
+                 allow_pickle: bool = False):
         from transformers import AutoFeatureExtractor, AutoTokenizer
 
         from .models import load
@@ -130,7 +131,7 @@ class Transcriber:
         path = model or DEFAULT_MODEL
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped recognizer is not at {path}; pass --model with a checkpoint")
-        self.engine = load(path)
+        self.engine = load(path, allow_pickle=allow_pickle)
         if self.engine.encoder is None or getattr(self.engine.encoder, "main_input_name", "") not in (
                 "input_values", "input_features"):
             raise ValueError(f"{path} is not a speech model (no speech encoder)")
