@@ -7,6 +7,7 @@ One loop per strategy: prefill once, then decode_step + logits processors + choo
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -78,33 +79,36 @@ class GenerationOptions:
             return default if value is None else value
 
         eos = pick("eos_token_id")  # None means "not given", as in transformers; [] means no EOS
-        eos = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        eos = () if eos is None else tuple(_int("eos_token_id", e) for e in (eos if isinstance(eos, (list, tuple))
+                                                                              else [eos]))
         pad = pick("pad_token_id")
         if pad is None and eos:
             pad = eos[0]  # as transformers: stopped rows are filled with EOS
         if kwargs.get("max_new_tokens") is not None:
-            max_new = kwargs["max_new_tokens"]
+            max_new = _int("max_new_tokens", kwargs["max_new_tokens"])
         elif kwargs.get("max_length") is None and getattr(generation_config, "max_new_tokens", None) is not None:
             max_new = generation_config.max_new_tokens
         else:
-            max_new = pick("max_length", 20) - prompt_length
-        if not isinstance(max_new, int) or max_new < 1:
+            max_new = _int("max_length", pick("max_length", 20)) - prompt_length
+        if max_new < 1:
             raise ValueError(f"nothing to generate: max_new_tokens={max_new!r} (prompt length {prompt_length}); "
                              "pass max_new_tokens >= 1")
+        top_k = pick("top_k", 50)
         return cls(
             max_new_tokens=max_new,
-            min_new_tokens=max(pick("min_new_tokens", 0), pick("min_length", 0) - prompt_length, 0),
-            do_sample=bool(pick("do_sample", False)),
-            temperature=float(pick("temperature", 1.0)),
-            top_k=pick("top_k", 50),
-            top_p=float(pick("top_p", 1.0)),
-            repetition_penalty=float(pick("repetition_penalty", 1.0)),
-            num_beams=pick("num_beams", 1),
-            length_penalty=float(pick("length_penalty", 1.0)),
+            min_new_tokens=max(_int("min_new_tokens", pick("min_new_tokens", 0)),
+                               _int("min_length", pick("min_length", 0)) - prompt_length, 0),
+            do_sample=_bool("do_sample", pick("do_sample", False)),
+            temperature=_float("temperature", pick("temperature", 1.0)),
+            top_k=None if top_k is None else _int("top_k", top_k),
+            top_p=_float("top_p", pick("top_p", 1.0)),
+            repetition_penalty=_float("repetition_penalty", pick("repetition_penalty", 1.0)),
+            num_beams=_int("num_beams", pick("num_beams", 1)),
+            length_penalty=_float("length_penalty", pick("length_penalty", 1.0)),
             early_stopping=pick("early_stopping", False),
-            num_return_sequences=pick("num_return_sequences", 1),
+            num_return_sequences=_int("num_return_sequences", pick("num_return_sequences", 1)),
             eos_token_id=eos,
-            pad_token_id=None if pad is None else int(pad),
+            pad_token_id=None if pad is None else _int("pad_token_id", pad),
             generator=kwargs.get("generator"),
         )
 
@@ -119,6 +123,26 @@ _KWARGS = {
     "repetition_penalty", "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "eos_token_id",
     "pad_token_id", "bos_token_id", "decoder_start_token_id", "generator",
 }
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _check(ok: bool, message: str) -> None:
