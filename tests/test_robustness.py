@@ -67,3 +67,19 @@ def test_shards_split_the_files_and_together_equal_one_job(tmp_path):
     with pytest.raises(SystemExit):
         main(["caption", str(folder), "--model", model_dir, "--shard", "3/3"])
     assert os.path.exists(whole)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--data", "/nonexistent", "--out", "x"], "no train/ folder"),
+    (["--data", "DATA", "--out", "x", "--model", "new-thing"], "unknown --model"),
+    (["--data", "DATA", "--out", "x", "--model", "./missing-checkpoint"], "no such checkpoint directory"),
+    (["--data", "DATA", "--out", "x", "--mixed-precision", "fp8"], "mixed_precision must be"),
+])
+def test_train_command_refuses_bad_input_in_one_line(tmp_path, capsys, argv, message):
+    data = tmp_path / "data"
+    for split in ("train", "validation", "tokenizer"):
+        (data / split).mkdir(parents=True)
+    argv = [str(data) if a == "DATA" else a for a in argv]
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

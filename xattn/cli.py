@@ -152,12 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_generation_flags(transcribe)
     transcribe.set_defaults(run=_transcribe)
 
+    train = commands.add_parser("train", help="fine-tune or train a captioner or recognizer (= recipes/finetune.py)")
+    from . import finetune
+
+    finetune.add_arguments(train)
+    train.set_defaults(run=finetune.main)
+
     for sub in (caption, transcribe):
         sub.add_argument("--allow-pickle", action="store_true", help="also load pickle-based weights "
                          "(pytorch_model.bin), through torch.load(weights_only=True); only for checkpoints you trust")
         sub.add_argument("--shard", type=_shard, metavar="I/N", help="process only the I-th of N equal shares of "
                          "the files (I from 0); run N such jobs on N processes or machines, each resumable")
-    for sub in (bench, caption, transcribe):
+    for sub in (bench, caption, transcribe, train):
         sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
     try:
