@@ -34,11 +34,11 @@ def test_plain_transformers_loads_the_shipped_checkpoint_and_xattn_matches_it():
         assert captioner.caption(images, **kwargs) == [e.strip() for e in expected]
 
 
-def test_readme_command_prints_the_engines_caption_of_a_sample():
-    """The README's command on a shipped sample prints what transformers' own generate says for it.
-    (Whether that caption is right is measured by recipes/eval_captioner.py and reported in the model's
-    README; the accuracy target is not met yet, so it is not asserted here.)"""
+def test_readme_command_prints_the_right_caption_of_a_sample():
+    """The README's command on its shipped sample prints the true caption, which is also what transformers'
+    own generate says for it."""
     sample = _samples()[1]
+    assert sample["file_name"] == "scene-1.png"  # the README's example
     run = subprocess.run([sys.executable, os.path.join(REPO, "recipes", "caption.py"),
                           os.path.join(SAMPLES, sample["file_name"])], capture_output=True, text=True, check=True)
     model = VisionEncoderDecoderModel.from_pretrained(DEFAULT_MODEL, use_safetensors=True).eval()
@@ -46,7 +46,13 @@ def test_readme_command_prints_the_engines_caption_of_a_sample():
     processor = AutoImageProcessor.from_pretrained(DEFAULT_MODEL)
     pixels = processor(images=[load_image(os.path.join(SAMPLES, sample["file_name"]))], return_tensors="pt")
     expected = tokenizer.decode(model.generate(**pixels)[0], skip_special_tokens=True).strip()
-    assert run.stdout.strip() == expected and expected
+    assert run.stdout.strip() == expected == sample["text"]
+
+
+def test_most_shipped_samples_are_captioned_right():
+    samples = _samples()
+    captions = Captioner().caption([load_image(os.path.join(SAMPLES, s["file_name"])) for s in samples])
+    assert sum(c == s["text"] for c, s in zip(captions, samples)) >= 5  # 94% on the test set; these: 5 of 8
 
 
 def test_a_folder_of_100_images_in_one_batched_run_with_progress(tmp_path):
@@ -61,4 +67,5 @@ def test_a_folder_of_100_images_in_one_batched_run_with_progress(tmp_path):
     assert "captioning" in run.stderr and "100/100" in run.stderr  # the progress bar
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [os.path.basename(r["file"]) for r in rows] == [f"{i:03d}.png" for i in range(100)]
-    assert all(r["caption"] for r in rows)
+    right = sum(r["caption"] == scene_for(3, 200 + i).caption for i, r in enumerate(rows))
+    assert right >= 85, f"{right} of 100 held-out scenes captioned right"
