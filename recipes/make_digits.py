@@ -24,7 +24,8 @@ def main():
     parser.add_argument("--test", type=int, default=500)
     args = parser.parse_args()
     for split, (seed, variants) in SPLITS.items():
-        write_split(os.path.join(args.out, split), getattr(args, split), seed, variants)
+        write_split(os.path.join(args.out, split), getattr(args, split),
+                    lambda i, seed=seed, variants=variants: utterance_for(seed, i, variants))
     seed, variants = SPLITS["train"]
     texts = (utterance_for(seed, i, variants).text for i in range(args.train))
     tokenizer = train_caption_tokenizer(texts, vocab_size=300)

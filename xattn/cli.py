@@ -74,6 +74,44 @@ def _transcribe(args) -> int:
     return _run_files(args, audio_files(args.audio), transcriber.load, transcriber.transcribe, "text")
 
 
+def _speak(args) -> int:
+    import time
+
+    import numpy as np
+    import soundfile
+    import torch
+
+    from .codes import SAMPLE_RATE
+    from .speak import Speaker
+
+    speaker = Speaker(args.model)
+    kwargs = _generation_kwargs(args)
+    if args.seed is not None:
+        kwargs["generator"] = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    with soundfile.SoundFile(args.output, "w", samplerate=SAMPLE_RATE, channels=1, subtype="PCM_16") as out:
+        if args.stream:
+            pieces = []
+            for i, piece in enumerate(speaker.stream(args.text, args.voice, **kwargs)):
+                if i == 0:
+                    print(f"first audio after {time.perf_counter() - start:.2f} s", file=sys.stderr)
+                out.write(piece)
+                out.flush()
+                pieces.append(piece)
+            audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        else:
+            audio = speaker.speak(args.text, args.voice, **kwargs)
+            out.write(audio)
+    seconds = len(audio) / SAMPLE_RATE
+    print(f"wrote {args.output}: {seconds:.2f} s of audio in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    if args.spectrogram:
+        from .codes import draw_spectrogram, log_mel
+
+        draw_spectrogram(log_mel(audio), args.spectrogram, title=f"{args.voice or speaker.voices[0]}: {args.text}")
+        print(f"wrote {args.spectrogram}", file=sys.stderr)
+    return 0
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         index, count = (int(x) for x in text.split("/"))
@@ -152,6 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     _add_generation_flags(transcribe)
     transcribe.set_defaults(run=_transcribe)
 
+    speak = commands.add_parser("speak", help="text to speech with the shipped TTS (or a TTS checkpoint)")
+    speak.add_argument("text", help="what to say: letters a-z, spaces, apostrophes (digits as words)")
+    speak.add_argument("--output", "-o", default="speech.wav", help="wav file to write")
+    speak.add_argument("--voice", help="one of the model's voices (default: its first)")
+    speak.add_argument("--model", help="TTS checkpoint directory (default: the shipped one)")
+    speak.add_argument("--stream", action="store_true", help="write audio chunk by chunk while it is generated "
+                       "and report the time to the first chunk")
+    speak.add_argument("--spectrogram", metavar="PNG", help="also draw the output's mel spectrogram")
+    _add_generation_flags(speak)
+    speak.set_defaults(run=_speak)
+
     train = commands.add_parser("train", help="fine-tune or train a captioner or recognizer (= recipes/finetune.py)")
     from . import finetune
 
@@ -163,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(pytorch_model.bin), through torch.load(weights_only=True); only for checkpoints you trust")
         sub.add_argument("--shard", type=_shard, metavar="I/N", help="process only the I-th of N equal shares of "
                          "the files (I from 0); run N such jobs on N processes or machines, each resumable")
-    for sub in (bench, caption, transcribe, train):
+    for sub in (bench, caption, transcribe, speak, train):
         sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
     try:

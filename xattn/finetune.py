@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 
@@ -37,9 +38,12 @@ def main(args) -> int:
         if not os.path.isdir(os.path.join(args.data, split)):
             raise ValueError(f"{args.data}: no {split}/ folder (make one with recipes/make_scenes.py or "
                              "recipes/make_digits.py)")
-    if args.model.startswith("new-") and args.model not in ("new-scene-captioner", "new-digit-recognizer"):
-        raise ValueError(f"unknown --model {args.model!r}: new-scene-captioner, new-digit-recognizer or a checkpoint")
-    if args.model.startswith("new-") and not os.path.isdir(os.path.join(args.data, "tokenizer")):
+    if args.model.startswith("new-") and args.model not in ("new-scene-captioner", "new-digit-recognizer",
+                                                            "new-speaker"):
+        raise ValueError(f"unknown --model {args.model!r}: new-scene-captioner, new-digit-recognizer, new-speaker "
+                         "or a checkpoint")
+    if args.model in ("new-scene-captioner", "new-digit-recognizer") and not os.path.isdir(
+            os.path.join(args.data, "tokenizer")):
         raise ValueError(f"{args.data}: no tokenizer/ folder for a new model")
     if not args.model.startswith("new-") and (os.path.sep in args.model or args.model.startswith(".")) \
             and not os.path.isdir(args.model):
@@ -57,16 +61,24 @@ def run(args, config):
 
     from .train import train
 
-    if args.model.startswith("new-"):
-        speech = args.model == "new-digit-recognizer"
-    else:
-        speech = AutoConfig.from_pretrained(args.model).model_type == "speech-encoder-decoder"
-    if args.model.startswith("new-"):
+    kinds = {"new-scene-captioner": _images, "new-digit-recognizer": _speech, "new-speaker": _tts,
+             "vision-encoder-decoder": _images, "speech-encoder-decoder": _speech, "encoder-decoder": _tts}
+    kind = args.model if args.model.startswith("new-") else AutoConfig.from_pretrained(args.model).model_type
+    if kind not in kinds:
+        raise ValueError(f"{args.model}: a {kind} checkpoint; train takes vision-, speech- or text-to-speech "
+                         "encoder-decoder models")
+    if args.model == "new-speaker":
+        from .datasets.digits import TTS_VOICES
+        from .speak import text_tokenizer
+
+        tokenizer = text_tokenizer(sorted(TTS_VOICES))
+        torch.manual_seed(config.seed)
+    elif args.model.startswith("new-"):
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.data, "tokenizer"))
         torch.manual_seed(config.seed)
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model, preprocessor, train_set, collate, evaluate = (_speech if speech else _images)(args, tokenizer)
+    model, preprocessor, train_set, collate, evaluate = kinds[kind](args, tokenizer)
     train(model, train_set, collate, config, evaluate=evaluate, resume=args.resume)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, process 0 saves
         return
@@ -117,3 +129,32 @@ def _speech(args, tokenizer):
         return transcription_accuracy(from_hf(m), features, tokenizer, validation, limit=args.eval_limit)
 
     return model, features, train_set, SpeechBatches(features, tokenizer), evaluate
+
+
+def _tts(args, tokenizer):
+    import datasets
+    from transformers import EncoderDecoderModel
+
+    from .codes import Codebook, log_mel
+    from .datasets.digits import TTS_VOICES, read_split
+    from .speak import CodeBatches, new_speaker
+
+    voice_of = {(voice, variant): name for name, (voice, variant, _, _) in TTS_VOICES.items()}
+    rows = read_split(os.path.join(args.data, "train"))
+    for row in rows:
+        row["voice_name"] = voice_of[row["voice"], row["variant"]]
+    if args.model == "new-speaker":
+        saved = os.path.join(args.out, "codebook")
+        if os.path.isdir(saved):  # a resumed run keeps its codebook
+            codebook = Codebook.from_pretrained(saved)
+        else:
+            from .audio import load_audio
+
+            frames = np.concatenate([log_mel(load_audio(r["path"])) for r in rows[:1500]])
+            codebook = Codebook.fit(frames, size=256, seed=args.seed)
+            codebook.save_pretrained(saved)
+        model = new_speaker(tokenizer, codebook.size)
+    else:
+        codebook = Codebook.from_pretrained(args.model)
+        model = EncoderDecoderModel.from_pretrained(args.model, use_safetensors=True)
+    return model, codebook, datasets.Dataset.from_list(rows), CodeBatches(tokenizer, codebook), None

@@ -163,3 +163,4 @@ def audio_files(paths: list[str]) -> list[str]:
     from .jobs import input_files
 
     return input_files(paths, AUDIO_EXTENSIONS)
+

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -27,6 +28,9 @@ TRAIN_VARIANTS = ("Alex", "Andrea", "Andy", "Annie", "Denis", "Diogo", "Gene", "
 HELD_OUT_VARIANTS = ("Alicia", "Mike", "benjamin", "f4", "iven3", "m3", "m7", "steph2")
 SPEEDS = (120, 200)  # words per minute, uniform
 PITCHES = (25, 75)  # espeak-ng's 0-99 scale, uniform
+# the TTS learns to speak like these: name -> (voice, variant, speed, pitch), all fixed
+TTS_VOICES = {"us-female": ("en-us", "f3", 170, 55), "gb-male": ("en-gb", "m1", 170, 40)}
+TTS_WORDS = ("hello", "yes", "no", "okay", "stop", "go", "thank you", "goodbye")  # a few words besides digits
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,22 @@ def utterance_for(seed: int, index: int, variants: tuple[str, ...]) -> Utterance
                      rng.randint(*PITCHES))
 
 
+def tts_utterance_for(seed: int, index: int) -> Utterance:
+    """The index-th utterance of a TTS split: digits (nine in ten) or one of a few words, in a TTS voice."""
+    rng = random.Random(seed * 1_000_003 + index)
+    if rng.random() < 0.9:
+        text = " ".join(rng.choice(DIGITS) for _ in range(rng.randint(1, 6)))
+    else:
+        text = rng.choice(TTS_WORDS)
+    name = rng.choice(sorted(TTS_VOICES))
+    voice, variant, speed, pitch = TTS_VOICES[name]
+    return Utterance(text, voice, variant, speed, pitch)
+
+
+def tts_voice_name(utterance: Utterance) -> str:
+    return next(n for n, (v, var, _, _) in TTS_VOICES.items() if (v, var) == (utterance.voice, utterance.variant))
+
+
 def espeak() -> str:
     path = shutil.which("espeak-ng")
     if path is None:
@@ -60,8 +80,9 @@ def synthesize(utterance: Utterance, path: str) -> None:
                     utterance.text], check=True, capture_output=True)
 
 
-def write_split(directory: str, count: int, seed: int, variants: tuple[str, ...], progress: bool = True) -> None:
-    """wav files + metadata.jsonl (file_name, text, voice, variant, speed, pitch); resumable like the scenes."""
+def write_split(directory: str, count: int, utterance: Callable[[int], Utterance], progress: bool = True) -> None:
+    """wav files + metadata.jsonl (file_name, text, voice, variant, speed, pitch) of utterance(0..count-1);
+    resumable like the scenes."""
     from tqdm import tqdm
 
     from ..jobs import finished_inputs
@@ -72,10 +93,10 @@ def write_split(directory: str, count: int, seed: int, variants: tuple[str, ...]
     with open(metadata, "a") as f:
         for index in tqdm(range(done, count), desc=os.path.basename(directory), disable=not progress, initial=done,
                           total=count):
-            utterance = utterance_for(seed, index, variants)
+            spoken = utterance(index)
             name = f"{index:06d}.wav"
-            synthesize(utterance, os.path.join(directory, name))
-            f.write(json.dumps({"file_name": name, **asdict(utterance)}) + "\n")
+            synthesize(spoken, os.path.join(directory, name))
+            f.write(json.dumps({"file_name": name, **asdict(spoken)}) + "\n")
             f.flush()
 
 

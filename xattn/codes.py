@@ -1,0 +1,105 @@
+"""Discrete audio codes for the TTS: log-mel frames <-> nearest centroids of a codebook learned with k-means,
+and codes -> waveform through librosa (mel inversion + Griffin-Lim).
+
+Like Tortoise's mel codes, one code stands for a short stretch of spectrogram (here one 20 ms frame); the
+GPT-2 decoder generates them, the codebook turns them back into a spectrogram and Griffin-Lim into sound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+SAMPLE_RATE = 16_000
+N_FFT = 1024
+HOP = 320  # 20 ms: 50 codes per second
+N_MELS = 80
+FLOOR = 1e-5  # log-mel floor (silence)
+CHUNK = 50  # codes vocoded together (1 s): streaming yields audio in these pieces
+CODEBOOK_FILE = "codebook.npz"
+
+
+def log_mel(waveform: np.ndarray) -> np.ndarray:
+    """[samples] at SAMPLE_RATE -> [frames, N_MELS] natural-log power mel spectrogram."""
+    import librosa
+
+    mel = librosa.feature.melspectrogram(y=waveform, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, n_mels=N_MELS)
+    return np.log(np.maximum(mel, FLOOR)).T.astype(np.float32)
+
+
+def mel_to_waveform(frames: np.ndarray, n_iter: int = 32) -> np.ndarray:
+    """[frames, N_MELS] log-mel -> [frames * HOP] samples (Griffin-Lim with a fixed seed: deterministic)."""
+    import librosa
+
+    power = np.exp(frames.T.astype(np.float64))
+    audio = librosa.feature.inverse.mel_to_audio(power, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, n_iter=n_iter,
+                                                 length=len(frames) * HOP, random_state=0)
+    return audio.astype(np.float32)
+
+
+class Codebook:
+    """K centroids of log-mel frames; code k means "the frame looks like centroid k"."""
+
+    def __init__(self, centroids: np.ndarray):
+        self.centroids = np.asarray(centroids, dtype=np.float32)  # [K, N_MELS]
+
+    @property
+    def size(self) -> int:
+        return len(self.centroids)
+
+    @classmethod
+    def fit(cls, frames: np.ndarray, size: int = 256, seed: int = 0) -> Codebook:
+        """k-means (scikit-learn's mini-batch k-means) over [N, N_MELS] log-mel frames."""
+        from sklearn.cluster import MiniBatchKMeans
+
+        kmeans = MiniBatchKMeans(n_clusters=size, random_state=seed, batch_size=4096, n_init=3, max_iter=200)
+        kmeans.fit(frames)
+        return cls(kmeans.cluster_centers_)
+
+    def encode(self, frames: np.ndarray) -> np.ndarray:
+        """[T, N_MELS] -> [T] codes (nearest centroid, squared euclidean)."""
+        distance = ((frames[:, None, :] - self.centroids[None]) ** 2).sum(-1)
+        return distance.argmin(1)
+
+    def decode(self, codes) -> np.ndarray:
+        return self.centroids[np.asarray(codes, dtype=np.int64)]
+
+    def vocode(self, codes) -> np.ndarray:
+        """Codes -> waveform, CHUNK codes at a time, so a stream of chunks concatenates to exactly this."""
+        codes = np.asarray(codes, dtype=np.int64)
+        pieces = [mel_to_waveform(self.decode(codes[i : i + CHUNK])) for i in range(0, len(codes), CHUNK)]
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+
+    def save_pretrained(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        np.savez(os.path.join(directory, CODEBOOK_FILE), centroids=self.centroids)
+        with open(os.path.join(directory, "codes_config.json"), "w") as f:
+            json.dump({"sample_rate": SAMPLE_RATE, "n_fft": N_FFT, "hop_length": HOP, "n_mels": N_MELS,
+                       "codebook_size": self.size, "chunk": CHUNK}, f, indent=1)
+
+    @classmethod
+    def from_pretrained(cls, directory: str) -> Codebook:
+        path = os.path.join(directory, CODEBOOK_FILE)
+        if not os.path.exists(path):
+            raise ValueError(f"{directory}: no {CODEBOOK_FILE} (not a TTS checkpoint?)")
+        with np.load(path, allow_pickle=False) as data:
+            return cls(data["centroids"])
+
+
+def draw_spectrogram(frames: np.ndarray, path: str, title: str = "") -> None:
+    """[frames, mels] log-mel as a PNG (time across, frequency up)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4.0, len(frames) / 40), 3))
+    ax.imshow(frames.T, origin="lower", aspect="auto", cmap="magma")
+    ax.set_xlabel("frame (20 ms)")
+    ax.set_ylabel("mel bin")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
