@@ -7,6 +7,7 @@ GPT-2 decoder generates them, the codebook turns them back into a spectrogram an
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -22,21 +23,33 @@ CODEBOOK_FILE = "codebook.npz"
 
 
 def log_mel(waveform: np.ndarray) -> np.ndarray:
-    """[samples] at SAMPLE_RATE -> [frames, N_MELS] natural-log power mel spectrogram."""
-    import librosa
+    """[samples] at SAMPLE_RATE -> [frames, N_MELS] natural-log power mel spectrogram (librosa's mel filters and
+    framing: centred, zero-padded Hann windows; the STFT itself is torch's, which is faster)."""
+    import torch
 
-    mel = librosa.feature.melspectrogram(y=waveform, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, n_mels=N_MELS)
+    spectrum = torch.stft(torch.from_numpy(np.asarray(waveform, dtype=np.float32)), N_FFT, hop_length=HOP,
+                          window=torch.hann_window(N_FFT), center=True, pad_mode="constant", return_complex=True)
+    power = spectrum.abs().pow(2).numpy()  # [1 + N_FFT/2, frames]
+    mel = _mel_filters() @ power
     return np.log(np.maximum(mel, FLOOR)).T.astype(np.float32)
 
 
 def mel_to_waveform(frames: np.ndarray, n_iter: int = 32) -> np.ndarray:
-    """[frames, N_MELS] log-mel -> [frames * HOP] samples (Griffin-Lim with a fixed seed: deterministic)."""
+    """[frames, N_MELS] log-mel -> [(frames - 1) * HOP] samples (centred frames): librosa's mel inversion, then
+    Griffin-Lim from a fixed seed (deterministic)."""
     import librosa
 
     power = np.exp(frames.T.astype(np.float64))
-    audio = librosa.feature.inverse.mel_to_audio(power, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, n_iter=n_iter,
-                                                 length=len(frames) * HOP, random_state=0)
+    magnitude = librosa.feature.inverse.mel_to_stft(power, sr=SAMPLE_RATE, n_fft=N_FFT, power=2.0)
+    audio = librosa.griffinlim(magnitude, n_iter=n_iter, hop_length=HOP, n_fft=N_FFT, random_state=0)
     return audio.astype(np.float32)
+
+
+@functools.cache
+def _mel_filters() -> np.ndarray:
+    import librosa
+
+    return librosa.filters.mel(sr=SAMPLE_RATE, n_fft=N_FFT, n_mels=N_MELS)  # [N_MELS, 1 + N_FFT/2]
 
 
 class Codebook:

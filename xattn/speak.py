@@ -108,7 +108,9 @@ class Speaker:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.engine = from_hf(self.model.decoder)
         self.engine.generation_config = self.model.generation_config
-        self.voices = [t[1:-1] for t in self.tokenizer.additional_special_tokens]
+        vocab = self.tokenizer.get_vocab()  # voices are the <name> tokens besides <pad> and <unk>
+        self.voices = [t[1:-1] for t in sorted(vocab, key=vocab.get)
+                       if t.startswith("<") and t.endswith(">") and t not in ("<pad>", "<unk>")]
 
     @property
     def stop_code(self) -> int:
