@@ -41,6 +41,11 @@ def main():
     scores = transcription_scores([r["text"] for r in rows], guesses)
     scores.update(utterances=len(rows), equal_to_transformers=same / len(rows),
                   seconds=time.perf_counter() - start)
+    by_variant = {}
+    for variant in sorted({r["variant"] for r in rows}):
+        pairs = [(r["text"], g) for r, g in zip(rows, guesses) if r["variant"] == variant]
+        by_variant[variant] = round(transcription_scores(*zip(*pairs))["wer"], 4)
+    scores["wer_by_variant"] = by_variant
     errors = [(r["text"], g, r["voice"], r["variant"]) for r, g in zip(rows, guesses) if r["text"] != g]
     print(json.dumps(scores, indent=1))
     for truth, guess, voice, variant in errors[:20]:
