@@ -1,7 +1,7 @@
 """Make the TTS training data: espeak-ng speech in the TTS voices (xattn.datasets.digits.TTS_VOICES), digit
 strings and a few words, as wav files + metadata.jsonl.
 
-    python recipes/make_tts_data.py build/tts     # train 6000 (seed 21), validation 200 (22), test 200 (23)
+    python recipes/make_tts_data.py build/tts     # train 6000 (seed 21), validation 200 (22), test 300 (23)
 """
 
 import argparse
@@ -17,7 +17,7 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--train", type=int, default=6000)
     parser.add_argument("--validation", type=int, default=200)
-    parser.add_argument("--test", type=int, default=200)
+    parser.add_argument("--test", type=int, default=300)
     args = parser.parse_args()
     for split, seed in SPLITS.items():
         write_split(os.path.join(args.out, split), getattr(args, split),
