@@ -92,7 +92,7 @@ class Captioner:
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped captioner is not at {path}; pass --model with a checkpoint")
         self.engine = load(path, allow_pickle=allow_pickle)
-        if self.engine.encoder is None:
+        if getattr(self.engine.encoder, "main_input_name", None) != "pixel_values":
             raise ValueError(f"{path} is not an image captioner (no vision encoder)")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.processor = AutoImageProcessor.from_pretrained(path)

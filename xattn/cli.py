@@ -25,7 +25,7 @@ def _bench(args) -> int:
 def _generation_kwargs(args) -> dict:
     names = ("max_new_tokens", "num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p",
              "repetition_penalty", "length_penalty")
-    return {n: getattr(args, n) for n in names if getattr(args, n) not in (None, False)}
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None and getattr(args, n) is not False}
 
 
 def _add_generation_flags(parser) -> None:
@@ -215,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     for sub in (bench, caption, transcribe, speak, train):
         sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)
+    if not args.debug:  # transformers' per-file loading bars are noise around our one-line answers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return args.run(args)
     except ValueError as error:
