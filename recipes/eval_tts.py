@@ -8,6 +8,7 @@ count exact transcripts.
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -30,8 +31,6 @@ def main():
 
     speaker, transcriber = Speaker(args.model), Transcriber(args.recognizer)
     voice_of = {(v, var): name for name, (v, var, _, _) in TTS_VOICES.items()}
-    import os
-
     trained = {r["text"] for r in read_split(os.path.join(os.path.dirname(os.path.abspath(args.data)), "train"))}
     rows = [r for r in read_split(args.data) if set(r["text"].split()) <= set(DIGITS) and r["text"] not in trained]
     rows = rows[: args.count]  # digit strings the TTS never heard spoken (a short one can recur by chance)
