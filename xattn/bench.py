@@ -79,16 +79,45 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
                 progress(f"{row:12s} {name:15s} {m.ms_per_step:8.1f} ms/step {m.end_to_end_ms:9.0f} ms"
                          f"{'' if same is None else '  same tokens' if same else '  TOKENS DIFFER'}")
                 results.append(m)
+            floor = floor_probe_ms(xattn.from_hf(model).decoder, batch * beams, repeats=max(3, repeats))
+            progress(f"{row:12s} {'floor probe':15s} {floor:8.1f} ms/step (the step's weights, read once)")
+            results.append(Measurement(row, "floor probe", floor, float("nan"), None))
     return results
 
 
+def floor_probe_ms(decoder, rows: int, repeats: int = 5) -> float:
+    """The time to stream one decode step's weights once: a [rows, in] x [in, out] product over each tensor the
+    step reads (self-attention, cross-attention query/output, MLP, LM head), nothing else. A decode step cannot
+    beat this on the same machine; the ratio to it says how much of a step is overhead."""
+    weights = []
+    for block in decoder.blocks:
+        weights += [block.attn.c_attn.weight, block.attn.c_proj.weight, block.mlp.c_fc.weight, block.mlp.c_proj.weight]
+        if hasattr(block, "crossattention"):
+            weights += [block.crossattention.q_attn.weight, block.crossattention.c_proj.weight]
+    head = decoder.lm_head.weight  # [vocab, D]: read as its transpose
+    inputs = [torch.randn(rows, w.shape[0]) for w in weights]
+    x_head = torch.randn(rows, head.shape[1])
+
+    def stream():
+        for x, w in zip(inputs, weights):
+            torch.mm(x, w)
+        torch.mm(x_head, head.t())
+
+    with torch.inference_mode():
+        stream()
+        seconds, _ = _timed(stream, repeats)
+    return seconds * 1000
+
+
 def table(results: list[Measurement]) -> str:
+    """Ratios to transformers per row; the floor probe's row is the bound a decode step cannot beat."""
     lines = [f"{'row':12s} {'engine':15s} {'ms/step':>9s} {'x transformers':>15s} {'end-to-end ms':>14s}  tokens"]
     base = {m.row: m.ms_per_step for m in results if m.engine == "transformers"}
     for m in results:
         ratio = m.ms_per_step / base[m.row] if m.row in base else float("nan")
         same = "-" if m.tokens_equal_to_transformers is None else str(m.tokens_equal_to_transformers)
-        lines.append(f"{m.row:12s} {m.engine:15s} {m.ms_per_step:9.1f} {ratio:15.2f} {m.end_to_end_ms:14.0f}  {same}")
+        end_to_end = "-" if m.end_to_end_ms != m.end_to_end_ms else f"{m.end_to_end_ms:.0f}"  # NaN: no run
+        lines.append(f"{m.row:12s} {m.engine:15s} {m.ms_per_step:9.1f} {ratio:15.2f} {end_to_end:>14s}  {same}")
     return "\n".join(lines)
 
 
