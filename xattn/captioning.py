@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from .architecture import new_encoder_decoder
 from .vision import pixel_values
 
 
@@ -13,7 +14,6 @@ def new_scene_captioner(tokenizer, image_size: int = 64, patch_size: int = 8):
     """A small VisionEncoderDecoderModel (ViT, 8 px patches + GPT-2 with cross-attention), random weights,
     and its ViTImageProcessor. Sized to train on 2 CPU cores in well under an hour."""
     from transformers import (
-        GPT2Config,
         VisionEncoderDecoderConfig,
         VisionEncoderDecoderModel,
         ViTConfig,
@@ -23,16 +23,8 @@ def new_scene_captioner(tokenizer, image_size: int = 64, patch_size: int = 8):
     encoder = ViTConfig(image_size=image_size, patch_size=patch_size, hidden_size=128, num_hidden_layers=4,
                         num_attention_heads=4, intermediate_size=256, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
-    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id)
-    decoder = GPT2Config(vocab_size=len(tokenizer), n_positions=48, n_embd=128, n_layer=3, n_head=4,
-                         add_cross_attention=True, is_decoder=True, resid_pdrop=0.0, embd_pdrop=0.0,
-                         attn_pdrop=0.0, **special)
-    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
-    config.decoder_start_token_id = tokenizer.bos_token_id
-    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    model = VisionEncoderDecoderModel(config)
-    model.generation_config.update(decoder_start_token_id=tokenizer.bos_token_id, max_new_tokens=24, **special)
+    model = new_encoder_decoder(VisionEncoderDecoderModel, VisionEncoderDecoderConfig, encoder, tokenizer,
+                                n_positions=48, n_layer=3, max_new_tokens=24)
     processor = ViTImageProcessor(size={"height": image_size, "width": image_size}, do_resize=True,
                                   image_mean=[0.5] * 3, image_std=[0.5] * 3)
     return model, processor

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import torch
 
+from .architecture import new_encoder_decoder
 from .audio import input_features, load_audio
 
 
@@ -15,7 +16,6 @@ def new_digit_recognizer(tokenizer):
     """A small SpeechEncoderDecoderModel (Wav2Vec2-BERT conformer encoder over log-mel features + GPT-2 with
     cross-attention), random weights, and its feature extractor. Sized to train on 2 CPU cores in under an hour."""
     from transformers import (
-        GPT2Config,
         SeamlessM4TFeatureExtractor,
         SpeechEncoderDecoderConfig,
         SpeechEncoderDecoderModel,
@@ -28,16 +28,8 @@ def new_digit_recognizer(tokenizer):
                                  feature_projection_input_dim=320, conv_depthwise_kernel_size=15,
                                  position_embeddings_type="rotary", layerdrop=0.0, conformer_conv_dropout=0.0,
                                  mask_time_prob=0.05, mask_time_length=4, mask_time_min_masks=1)
-    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id)
-    decoder = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=128, n_layer=2, n_head=4,
-                         add_cross_attention=True, is_decoder=True, resid_pdrop=0.0, embd_pdrop=0.0,
-                         attn_pdrop=0.0, **special)
-    config = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
-    config.decoder_start_token_id = tokenizer.bos_token_id
-    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    model = SpeechEncoderDecoderModel(config)
-    model.generation_config.update(decoder_start_token_id=tokenizer.bos_token_id, max_new_tokens=16, **special)
+    model = new_encoder_decoder(SpeechEncoderDecoderModel, SpeechEncoderDecoderConfig, encoder, tokenizer,
+                                n_positions=32, n_layer=2, max_new_tokens=16)
     features = SeamlessM4TFeatureExtractor(feature_size=80, num_mel_bins=80, sampling_rate=16_000, stride=4)
     return model, features
 
