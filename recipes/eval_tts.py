@@ -16,7 +16,7 @@ import torch
 
 def main():
     from xattn.codes import SAMPLE_RATE
-    from xattn.datasets.digits import DIGITS, TTS_VOICES, read_split
+    from xattn.datasets.digits import DIGITS, read_split, tts_voice_name
     from xattn.speak import Speaker
     from xattn.speech import Transcriber, transcription_scores
 
@@ -30,13 +30,12 @@ def main():
     args = parser.parse_args()
 
     speaker, transcriber = Speaker(args.model), Transcriber(args.recognizer)
-    voice_of = {(v, var): name for name, (v, var, _, _) in TTS_VOICES.items()}
     trained = {r["text"] for r in read_split(os.path.join(os.path.dirname(os.path.abspath(args.data)), "train"))}
     rows = [r for r in read_split(args.data) if set(r["text"].split()) <= set(DIGITS) and r["text"] not in trained]
     rows = rows[: args.count]  # digit strings the TTS never heard spoken (a short one can recur by chance)
     truths, guesses, seconds, start = [], [], 0.0, time.perf_counter()
     for i, row in enumerate(rows):
-        voice = voice_of[row["voice"], row["variant"]]
+        voice = tts_voice_name(row)
         audio = speaker.speak(row["text"], voice, generator=torch.Generator().manual_seed(args.seed + i))
         seconds += len(audio) / SAMPLE_RATE
         truths.append(row["text"])

@@ -26,6 +26,12 @@ def collate(rows):
     return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
 
 
+def assert_same_weights(a, b):
+    assert a.state_dict().keys() == b.state_dict().keys()
+    for name, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[name]), name
+
+
 def _dropout_model(seed=61):
     model = tiny_captioner(seed=seed, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
     return model
@@ -74,8 +80,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     second = _dropout_model(seed=77)  # a fresh process builds a differently initialised model
     history = train(second, data, collate, config, progress=False, resume=True)
     assert history["step"][-1] == 10 and len(history["loss"]) == 10
-    for (name, a), (_, b) in zip(whole.state_dict().items(), second.state_dict().items()):
-        assert torch.equal(a, b), name
+    assert_same_weights(whole, second)
 
 
 def test_batches_cover_each_epoch_once():
@@ -125,5 +130,4 @@ def test_run_killed_between_checkpoints_resumes_to_the_same_weights(tmp_path):
     assert latest_checkpoint(out).endswith("checkpoint-3")
     resumed = _dropout_model(seed=78)
     train(resumed, data, collate, TrainConfig(output_dir=out, **kwargs), progress=False, resume=True)
-    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
-        assert torch.equal(a, b), name
+    assert_same_weights(whole, resumed)

@@ -136,13 +136,12 @@ def _tts(args, tokenizer):
     from transformers import EncoderDecoderModel
 
     from .codes import Codebook, log_mel
-    from .datasets.digits import TTS_VOICES, read_split
+    from .datasets.digits import read_split, tts_voice_name
     from .speak import CodeBatches, new_speaker
 
-    voice_of = {(voice, variant): name for name, (voice, variant, _, _) in TTS_VOICES.items()}
     rows = read_split(os.path.join(args.data, "train"))
     for row in rows:
-        row["voice_name"] = voice_of[row["voice"], row["variant"]]
+        row["voice_name"] = tts_voice_name(row)
     if args.model == "new-speaker":
         saved = os.path.join(args.out, "codebook")
         if os.path.isdir(saved):  # a resumed run keeps its codebook

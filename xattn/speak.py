@@ -54,6 +54,11 @@ def new_speaker(tokenizer, codebook_size: int, max_codes: int = 400):
     return model
 
 
+def tts_prompt(voice: str, text: str) -> str:
+    """What the text encoder reads, in training and in speaking alike: the voice token, then the text."""
+    return f"<{voice}>{check_text(text)}"
+
+
 def check_text(text: str) -> str:
     """Lower-cased, single-spaced text; ValueError for empty, unknown characters or too long."""
     normal = re.sub(r"\s+", " ", text.strip().lower())
@@ -84,7 +89,7 @@ class CodeBatches:
         return self._codes[path]
 
     def __call__(self, examples: list[dict]) -> dict:
-        texts = [f"<{e['voice_name']}>{check_text(e['text'])}" for e in examples]
+        texts = [tts_prompt(e["voice_name"], e["text"]) for e in examples]
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         stop = self.codebook.size + 1
         rows = [torch.tensor(np.append(self.codes(e["path"]), stop)) for e in examples]
@@ -121,7 +126,7 @@ class Speaker:
         voice = voice or self.voices[0]
         if voice not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; this model speaks {', '.join(self.voices)}")
-        encoded = self.tokenizer([f"<{voice}>{check_text(text)}"], return_tensors="pt")
+        encoded = self.tokenizer([tts_prompt(voice, text)], return_tensors="pt")
         states = self.model.encoder(**encoded).last_hidden_state
         start = self.model.config.decoder_start_token_id
         return dict(decoder_input_ids=torch.tensor([[start]]), encoder_hidden_states=states,

@@ -41,9 +41,8 @@ class SpeechBatches:
     kept features equals the feature extractor run on the whole batch, since padding is zeros after the
     per-utterance normalisation."""
 
-    def __init__(self, feature_extractor, tokenizer, keep_features: bool = True):
+    def __init__(self, feature_extractor, tokenizer):
         self.feature_extractor, self.tokenizer = feature_extractor, tokenizer
-        self.keep_features = keep_features
         self._features: dict[str, torch.Tensor] = {}
 
     def features(self, path: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,9 +52,7 @@ class SpeechBatches:
             waveform = load_audio(path, self.feature_extractor.sampling_rate)
             inputs = input_features(self.feature_extractor, [waveform])
             name = "input_features" if "input_features" in inputs else "input_values"
-            found = inputs[name][0], inputs["attention_mask"][0]
-            if self.keep_features:
-                self._features[path] = found
+            found = self._features[path] = inputs[name][0], inputs["attention_mask"][0]
         return found
 
     def __call__(self, examples: list[dict]) -> dict:
@@ -124,8 +121,7 @@ class Transcriber:
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped recognizer is not at {path}; pass --model with a checkpoint")
         self.engine = load(path, allow_pickle=allow_pickle)
-        if self.engine.encoder is None or getattr(self.engine.encoder, "main_input_name", "") not in (
-                "input_values", "input_features"):
+        if getattr(self.engine.encoder, "main_input_name", None) not in ("input_values", "input_features"):
             raise ValueError(f"{path} is not a speech model (no speech encoder)")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(path)

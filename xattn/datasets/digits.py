@@ -62,8 +62,9 @@ def tts_utterance_for(seed: int, index: int) -> Utterance:
     return Utterance(text, voice, variant, speed, pitch)
 
 
-def tts_voice_name(utterance: Utterance) -> str:
-    return next(n for n, (v, var, _, _) in TTS_VOICES.items() if (v, var) == (utterance.voice, utterance.variant))
+def tts_voice_name(row: dict) -> str:
+    """The TTS voice name of a metadata row (or asdict(Utterance)) spoken in a TTS voice."""
+    return next(n for n, (v, var, _, _) in TTS_VOICES.items() if (v, var) == (row["voice"], row["variant"]))
 
 
 def espeak() -> str:
