@@ -25,9 +25,53 @@ def test_floor_probe_reads_every_per_step_weight(monkeypatch):
     assert weights == expected and all(a[0] == 3 for a, _ in shapes)
 
 
-def test_table_gives_ratios_and_marks_rows_without_an_end_to_end_run():
+def test_table_gives_ratios_to_transformers_floor_and_ctranslate2_of_the_same_precision():
+    nan = float("nan")
     rows = [Measurement("B=1 greedy", "transformers", 40.0, 600.0, None),
-            Measurement("B=1 greedy", "xattn eager", 30.0, 500.0, True),
-            Measurement("B=1 greedy", "floor probe", 20.0, float("nan"), None)]
+            Measurement("B=1 greedy", "xattn packed", 30.0, 500.0, True),
+            Measurement("B=1 greedy", "xattn int8", 12.0, 400.0, None, agreement_with_fp32=0.995),
+            Measurement("B=1 greedy", "ctranslate2 float32", 25.0, nan, None),
+            Measurement("B=1 greedy", "ctranslate2 int8", 15.0, nan, None),
+            Measurement("B=1 greedy", "transformers static", nan, nan, None, error="not supported"),
+            Measurement("B=1 greedy", "floor probe", 20.0, nan, None)]
     lines = table(rows).splitlines()
-    assert "0.75" in lines[2] and "0.50" in lines[3] and lines[3].split()[-2] == "-"
+    packed, int8 = lines[2].split(), lines[3].split()
+    assert packed[5:8] == ["0.75", "1.50", "1.20"] and packed[-1] == "same"  # x transformers, x floor, x ct2 fp32
+    assert int8[7] == "0.80" and "99.5% = fp32" in lines[3]  # int8 against CTranslate2 int8
+    assert "could not run: not supported" in lines[6] and lines[7].split()[-2] == "-"
+
+
+def test_ctranslate2_whisper_shaped_model_decodes_and_counts_its_steps(tmp_path):
+    from xattn.bench import ct2
+
+    directory = ct2.build_whisper_like(str(tmp_path / "ct2"), encoder_positions=10, hidden=64, layers=2, heads=4,
+                                       ffn=128)
+    decoder = ct2.CT2Decoder(directory, "int8", threads=1, encoder_positions=10)
+    encoded = decoder.encode(2)
+    short, long = decoder.generate(encoded, 2, 1, 8), decoder.generate(encoded, 2, 1, 24)
+    assert 0 < short < long <= 24
+    assert 0 < decoder.generate(encoded, 2, 4, 24) <= 24  # beam search runs too
+
+
+def test_compiled_decode_reuses_the_compile_cache_in_a_second_process(tmp_path):
+    from xattn.bench import compile_cache
+
+    record = compile_cache.first_calls(threads=1, cache_dir=str(tmp_path), decoder_layers=1)
+    assert record["fresh_process"]["graph_cache_misses"] > 0 and record["fresh_process"]["graph_cache_hits"] == 0
+    assert record["second_process"]["graph_cache_hits"] > 0 and record["second_process"]["graph_cache_misses"] == 0
+
+
+def test_chart_draws_decode_rows_and_end_to_end(tmp_path):
+    from PIL import Image
+
+    from xattn.bench import chart
+    from xattn.bench.end_to_end import EndToEnd
+    from xattn.bench.end_to_end import table as e2e_table
+
+    rows = [Measurement(r, e, ms, 1.0, None) for r in ("B=1 greedy", "B=8 greedy")
+            for e, ms in (("transformers", 40.0), ("xattn int8", 12.0), ("floor probe", 20.0))]
+    e2e = [EndToEnd("transformers, batches of 16", 64, 16, 20.0, 3.2), EndToEnd("xattn int8", 64, 16, 10.0, 6.4)]
+    path = tmp_path / "bench.png"
+    chart.draw(rows, e2e, str(path), title="test")
+    assert Image.open(path).size[0] > 1000
+    assert e2e_table(e2e).splitlines()[2].split()[-2] == "2.00"

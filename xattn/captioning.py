@@ -75,7 +75,8 @@ class Captioner:
     """A VisionEncoderDecoder checkpoint (directory or hub id) with its tokenizer and image processor,
     decoding through the xattn engine."""
 
-    def __init__(self, model: str | None = None, compile: bool = False, allow_pickle: bool = False):
+    def __init__(self, model: str | None = None, compile: bool = False, allow_pickle: bool = False,
+                 weights: str = "exact", encoder_weights: str | None = None):
         from transformers import AutoImageProcessor, AutoTokenizer
 
         from .models import load
@@ -83,7 +84,9 @@ class Captioner:
         path = model or DEFAULT_MODEL
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped captioner is not at {path}; pass --model with a checkpoint")
-        self.engine = load(path, allow_pickle=allow_pickle)
+        self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
+        if encoder_weights is not None:
+            self.engine = self.engine.with_weights(weights, encoder_weights=encoder_weights)
         if getattr(self.engine.encoder, "main_input_name", None) != "pixel_values":
             raise ValueError(f"{path} is not an image captioner (no vision encoder)")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -142,6 +145,36 @@ def _draw_attention(image, weights: torch.Tensor, words: list[str], path: str) -
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+@torch.no_grad()
+def weight_format_agreement(captioner: Captioner, images: list, truths: list[str], formats: list[str],
+                            batch_size: int = 100) -> dict:
+    """For each weight format ("packed", "bf16", "int8", optionally "int8+int8" for an int8 encoder too):
+    the share of images whose greedy caption equals the exact fp32 one, its exact-match accuracy against the
+    truth, and its seconds; "exact" itself is the reference."""
+    import time
+
+    def captions(engine):
+        start, out = time.perf_counter(), []
+        for begin in range(0, len(images), batch_size):
+            pixels = pixel_values(captioner.processor, images[begin: begin + batch_size])
+            ids = engine.generate(pixel_values=pixels)
+            out += [t.strip() for t in captioner.tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        return out, time.perf_counter() - start
+
+    reference, seconds = captions(captioner.engine.with_weights("exact"))
+    report = {"exact": {"equal_to_fp32": 1.0, "exact_match": _share(reference, truths), "seconds": seconds}}
+    for name in formats:
+        decoder_weights, _, encoder_weights = name.partition("+")
+        out, seconds = captions(captioner.engine.with_weights(decoder_weights, encoder_weights or None))
+        report[name] = {"equal_to_fp32": _share(out, reference), "exact_match": _share(out, truths),
+                        "seconds": seconds}
+    return report
+
+
+def _share(a: list[str], b: list[str]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
 def image_files(paths: list[str]) -> list[str]:

@@ -8,18 +8,42 @@ import sys
 
 
 def _bench(args) -> int:
-    from . import bench
+    from .bench import chart, compile_cache, end_to_end
+    from .bench import decode as bench
 
     rows = list(bench.ROWS)[:1] if args.quick else list(bench.ROWS)
     short, long = (4, 8) if args.quick else (args.short, args.long)
     results = bench.run(rows=rows, short=short, long=long, repeats=args.repeats, compiled=args.compile,
-                        threads=args.threads)
+                        threads=args.threads, ctranslate2=not args.no_ctranslate2)
     print()
     print(bench.table(results))
+    extra = {}
+    if args.end_to_end:
+        print()
+        e2e = end_to_end.run(threads=args.threads)
+        print()
+        print(end_to_end.table(e2e))
+        extra["end_to_end"] = e2e
+    if args.compile:
+        print("\ncompile cache: the compiled decode step's first call in a fresh process, then in a second one")
+        extra["compile_cache"] = reuse = compile_cache.first_calls(threads=args.threads)
+        for name in ("fresh_process", "second_process"):
+            print(f"  {name.replace('_', ' '):15s} first call {reuse[name]['first_call_s']:6.1f} s, "
+                  f"next call {reuse[name]['next_call_s']:.2f} s")
     if args.json:
-        bench.save(results, args.json)
+        bench.save(results, args.json, **extra)
         print(f"\nwrote {args.json}")
-    return 0 if all(m.tokens_equal_to_transformers is not False for m in results) else 1
+    if args.chart:
+        chart.draw(results, extra.get("end_to_end"), args.chart, title=f"{bench.machine()}, {time_stamp()}")
+        print(f"wrote {args.chart}")
+    fp32_same = all(m.tokens_equal_to_transformers is not False for m in results)
+    return 0 if fp32_same else 1
+
+
+def time_stamp() -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d")
 
 
 def _generation_kwargs(args) -> dict:
@@ -50,7 +74,7 @@ def _caption(args) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    captioner = Captioner(args.model, compile=args.compile, allow_pickle=args.allow_pickle)
+    captioner = Captioner(args.model, compile=args.compile, allow_pickle=args.allow_pickle, weights=args.weights)
     kwargs = _generation_kwargs(args)
     if args.attention_map:
         if len(args.images) != 1 or os.path.isdir(args.images[0]):
@@ -70,7 +94,7 @@ def _transcribe(args) -> int:
 
         torch.manual_seed(args.seed)
     transcriber = Transcriber(args.model, max_seconds=args.max_seconds, compile=args.compile,
-                              allow_pickle=args.allow_pickle)
+                              allow_pickle=args.allow_pickle, weights=args.weights)
     return _run_files(args, audio_files(args.audio), transcriber.load, transcriber.transcribe, "text")
 
 
@@ -153,11 +177,18 @@ def _run_files(args, files: list[str], load, infer, key: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .weights import KINDS
+
     parser = argparse.ArgumentParser(prog="xattn", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    bench = commands.add_parser("bench", help="decode speed side by side with transformers (ViT-B/16 + GPT-2 small)")
+    bench = commands.add_parser("bench", help="decode speed side by side with transformers and CTranslate2 "
+                                "(ViT-B/16 + GPT-2 small)")
     bench.add_argument("--quick", action="store_true", help="one row (B=1 greedy), short runs")
-    bench.add_argument("--compile", action="store_true", help="add a column with the torch.compile'd decode step")
+    bench.add_argument("--compile", action="store_true", help="add the torch.compile'd decode step, its compile "
+                       "time, and a second process reusing the compile cache")
+    bench.add_argument("--end-to-end", action="store_true", help="add images/s captioning 64 images in batches of 16")
+    bench.add_argument("--no-ctranslate2", action="store_true", help="leave CTranslate2 out even when installed")
+    bench.add_argument("--chart", metavar="PNG", help="draw the results")
     bench.add_argument("--short", type=int, default=8, help="generation length of the short run")
     bench.add_argument("--long", type=int, default=24, help="generation length of the long run")
     bench.add_argument("--repeats", type=int, default=2, help="best of this many runs per measurement")
@@ -208,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     train.set_defaults(run=finetune.main)
 
     for sub in (caption, transcribe):
+        sub.add_argument("--weights", default="exact", choices=KINDS, help="the decoder's weight format: exact "
+                         "(transformers' own tensors, identical tokens), packed (fp32 oneDNN copies), bf16 or int8 "
+                         "(faster, small differences; see the README's Performance section)")
         sub.add_argument("--allow-pickle", action="store_true", help="also load pickle-based weights "
                          "(pytorch_model.bin), through torch.load(weights_only=True); only for checkpoints you trust")
         sub.add_argument("--shard", type=_shard, metavar="I/N", help="process only the I-th of N equal shares of "

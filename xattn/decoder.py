@@ -14,13 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import weights as weight_formats
 from .cache import CrossAttentionCache
-
-
-def _conv1d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
-    """transformers' Conv1D (weight [in, out]): the same addmm it runs, so results match bit for bit."""
-    out = torch.addmm(conv.bias, x.reshape(-1, x.shape[-1]), conv.weight)
-    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _layer_norm(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
@@ -36,6 +31,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
         token and position embeddings live outside the GPT2Model (Tortoise/XTTS-style TTS).
     head: optional `hidden [B, T, D] -> logits` replacing lm_head, applied after ln_f (those models' own
         final norm + head).
+    weights: the format of the per-step projections (see xattn.weights): "exact" reads transformers'
+        tensors with its own ops (bit-identical); "packed" (fp32), "bf16" and "int8" are copies made here.
     """
 
     def __init__(
@@ -45,9 +42,14 @@ class GPT2CrossAttentionDecoder(nn.Module):
         *,
         embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        weights: str = "exact",
     ):
         super().__init__()
         config = transformer.config
+        self.weights = weight_formats.check_kind(weights)
+        if weights != "exact" and transformer.ln_f.weight.device.type != "cpu":
+            raise ValueError(f"weights={weights!r} runs on CPU only; use weights='exact' on "
+                             f"{transformer.ln_f.weight.device}")
         self.transformer = transformer
         self.lm_head = lm_head
         self.custom_embed = embed
@@ -64,6 +66,21 @@ class GPT2CrossAttentionDecoder(nn.Module):
             if config.scale_attn_by_inverse_layer_idx:
                 scaling /= float(layer_idx + 1)
             self.scalings.append(scaling)
+        self.projections = [self._block_projections(block, weights) for block in transformer.h]
+        self.head_projection = None if lm_head is None else weight_formats.linear(lm_head, weights)
+
+    @staticmethod
+    def _block_projections(block: nn.Module, kind: str) -> dict:
+        proj = {"qkv": block.attn.c_attn, "attn_out": block.attn.c_proj, "mlp_in": block.mlp.c_fc,
+                "mlp_out": block.mlp.c_proj}
+        if hasattr(block, "crossattention"):
+            proj.update(cross_q=block.crossattention.q_attn, cross_out=block.crossattention.c_proj)
+        return {name: weight_formats.conv1d(conv, kind) for name, conv in proj.items()}
+
+    def with_weights(self, weights: str) -> GPT2CrossAttentionDecoder:
+        """The same decoder (same transformers modules) with its projections in another format."""
+        return GPT2CrossAttentionDecoder(self.transformer, self.lm_head, embed=self.custom_embed,
+                                         head=self.custom_head, weights=weights)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -112,7 +129,7 @@ class GPT2CrossAttentionDecoder(nn.Module):
         keys = encoder_hidden_states.new_empty(shape)
         values = encoder_hidden_states.new_empty(shape)
         for layer_idx, block in enumerate(self.blocks):
-            kv = _conv1d(encoder_hidden_states, block.crossattention.c_attn)  # (B, S, 2*D)
+            kv = weight_formats.ExactConv1D(block.crossattention.c_attn)(encoder_hidden_states)  # (B, S, 2*D)
             k, v = kv.view(b, s, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, S, hd)
             keys[layer_idx], values[layer_idx] = k, v
         return keys, values
@@ -128,7 +145,7 @@ class GPT2CrossAttentionDecoder(nn.Module):
         hidden = _layer_norm(hidden, self.transformer.ln_f)
         if self.custom_head is not None:
             return self.custom_head(hidden)
-        return hidden if self.lm_head is None else self.lm_head(hidden)
+        return hidden if self.head_projection is None else self.head_projection(hidden)
 
     @torch.no_grad()
     def prefill(
@@ -202,25 +219,27 @@ class GPT2CrossAttentionDecoder(nn.Module):
         b, t, _ = hidden.shape
         h, hd = self.num_heads, self.head_dim
         scaling = self.scalings[layer_idx]
+        proj = self.projections[layer_idx]
 
-        qkv = _conv1d(_layer_norm(hidden, block.ln_1), block.attn.c_attn)  # (B, T, 3*D)
+        qkv = proj["qkv"](_layer_norm(hidden, block.ln_1))  # (B, T, 3*D)
         q, k, v = qkv.view(b, t, 3, h, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
         keys, values = cache.keys[layer_idx], cache.values[layer_idx]  # (B, H, T_max, hd)
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=self_mask, scale=scaling)
-        hidden = hidden + _conv1d(attn.transpose(1, 2).reshape(b, t, h * hd), block.attn.c_proj)
+        hidden = hidden + proj["attn_out"](attn.transpose(1, 2).reshape(b, t, h * hd))
 
         if cache.cross_keys is not None:
             x = _layer_norm(hidden, block.ln_cross_attn)
-            q = _conv1d(x, block.crossattention.q_attn).view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
+            q = proj["cross_q"](x).view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
             ck, cv = cache.cross_keys[layer_idx], cache.cross_values[layer_idx]  # (B_enc, H, S, hd)
             attn = _shared_cross_attention(q, ck, cv, cross_mask, enc_index, scaling)
             if record is not None:
                 record.append(_cross_probs(q, ck, cache.encoder_rows(), cache.cross_mask, scaling))
-            hidden = hidden + _conv1d(attn.transpose(1, 2).reshape(b, t, h * hd), block.crossattention.c_proj)
+            hidden = hidden + proj["cross_out"](attn.transpose(1, 2).reshape(b, t, h * hd))
 
-        return hidden + block.mlp(_layer_norm(hidden, block.ln_2))
+        # transformers' GPT2MLP: c_fc, act, c_proj (its dropout is the identity in eval)
+        return hidden + proj["mlp_out"](block.mlp.act(proj["mlp_in"](_layer_norm(hidden, block.ln_2))))
 
 
 def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling):

@@ -55,6 +55,20 @@ class XattnModel:
         self._cache_bucket = cache_bucket
         return self
 
+    def with_weights(self, weights: str, encoder_weights: str | None = None) -> XattnModel:
+        """The same model with the decoder's projections in another format ("exact", "packed", "bf16",
+        "int8"; see xattn.weights). The encoder is shared, unless encoder_weights names a format: then its
+        linear layers are copied into that format (a batch's encoder pass is bound by compute, and int8 products
+        are faster; fp32 formats gain nothing there)."""
+        from .weights import convert_linears
+
+        encoder = self.encoder
+        if encoder_weights not in (None, "exact") and encoder is not None:
+            encoder = convert_linears(encoder, encoder_weights)
+        return XattnModel(self.decoder.with_weights(weights), encoder=encoder,
+                          enc_to_dec_proj=self.enc_to_dec_proj, generation_config=self.generation_config,
+                          hf_model=self.hf_model)
+
     # ---- encoder ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def encode(
@@ -264,9 +278,10 @@ def _check_tensor(name: str, tensor, decoder: GPT2CrossAttentionDecoder, ndim: i
 
 
 # ---- construction -------------------------------------------------------------------------------------------
-def from_hf(model: nn.Module, lm_head: nn.Module | None = None) -> XattnModel:
+def from_hf(model: nn.Module, lm_head: nn.Module | None = None, weights: str = "exact") -> XattnModel:
     """Wrap a transformers VisionEncoderDecoderModel, SpeechEncoderDecoderModel, GPT2LMHeadModel or
-    GPT2Model (+ lm_head). No weight is copied."""
+    GPT2Model (+ lm_head). With weights="exact" no weight is copied; "packed", "bf16" and "int8" copy the
+    decoder's projections into that format (see xattn.weights)."""
     model.eval()
     generation_config = getattr(model, "generation_config", None)
     config = getattr(model, "config", None)
@@ -275,12 +290,12 @@ def from_hf(model: nn.Module, lm_head: nn.Module | None = None) -> XattnModel:
         transformer, head = _gpt2_parts(gpt2, lm_head)
         proj = getattr(model, "enc_to_dec_proj", None)
         return XattnModel(
-            GPT2CrossAttentionDecoder(transformer, head), encoder=model.encoder, enc_to_dec_proj=proj,
-            generation_config=generation_config, hf_model=model,
+            GPT2CrossAttentionDecoder(transformer, head, weights=weights), encoder=model.encoder,
+            enc_to_dec_proj=proj, generation_config=generation_config, hf_model=model,
         )
     transformer, head = _gpt2_parts(model, lm_head)
-    return XattnModel(GPT2CrossAttentionDecoder(transformer, head), generation_config=generation_config,
-                      hf_model=model)
+    decoder = GPT2CrossAttentionDecoder(transformer, head, weights=weights)
+    return XattnModel(decoder, generation_config=generation_config, hf_model=model)
 
 
 def _gpt2_parts(model: nn.Module, lm_head: nn.Module | None):
@@ -295,7 +310,7 @@ def _gpt2_parts(model: nn.Module, lm_head: nn.Module | None):
 
 
 def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-         allow_pickle: bool = False, **from_pretrained_kwargs) -> XattnModel:
+         allow_pickle: bool = False, weights: str = "exact", **from_pretrained_kwargs) -> XattnModel:
     """from_pretrained + from_hf. Weights load from safetensors; pickle-based weights (pytorch_model.bin) only
     with allow_pickle=True, and then through torch.load(weights_only=True). Never remote code."""
     from transformers import AutoConfig
@@ -317,7 +332,7 @@ def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | tor
                 f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path_or_id)):
             hint = "; it holds pickle-based weights only: pass allow_pickle=True (--allow-pickle) if you trust it"
         raise ValueError(f"{path_or_id}: cannot load the checkpoint ({str(error).splitlines()[0]}){hint}") from None
-    return from_hf(model.to(device))
+    return from_hf(model.to(device), weights=weights)
 
 
 def _model_class(config):

@@ -112,7 +112,7 @@ class Transcriber:
     through the xattn engine. Audio longer than `max_seconds` is refused (the model never heard longer audio)."""
 
     def __init__(self, model: str | None = None, max_seconds: float = 20.0, compile: bool = False,
-                 allow_pickle: bool = False):
+                 allow_pickle: bool = False, weights: str = "exact"):
         from transformers import AutoFeatureExtractor, AutoTokenizer
 
         from .models import load
@@ -120,7 +120,7 @@ class Transcriber:
         path = model or DEFAULT_MODEL
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped recognizer is not at {path}; pass --model with a checkpoint")
-        self.engine = load(path, allow_pickle=allow_pickle)
+        self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
         if getattr(self.engine.encoder, "main_input_name", None) not in ("input_values", "input_features"):
             raise ValueError(f"{path} is not a speech model (no speech encoder)")
         self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,109 @@
+"""Weight formats of the decoder's projections: packed fp32 gives transformers' tokens, bf16/int8 stay close,
+every format compiles, and on the shipped captioner's held-out scenes int8 and bf16 captions equal fp32's."""
+
+import gc
+
+import pytest
+import torch
+
+import xattn
+from conftest import tiny_captioner
+from xattn.weights import KINDS, ConvertedLinear, convert_linears
+
+
+def _logits(engine, states, ids):
+    decoder = engine.decoder
+    cache = decoder.new_cache(ids.shape[0], 16, states)
+    return decoder.prefill(cache, ids, all_logits=True)
+
+
+def test_packed_fp32_gives_transformers_tokens_and_logits_within_rounding():
+    model = tiny_captioner(seed=41)
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    packed = xattn.from_hf(model, weights="packed")
+    for kwargs in (dict(max_new_tokens=12, min_new_tokens=12), dict(max_new_tokens=12, num_beams=3)):
+        expected = model.generate(pixel_values=pixels, **kwargs)
+        assert torch.equal(packed.generate(pixel_values=pixels, **kwargs), expected)
+    states, _ = packed.encode(pixel_values=pixels)
+    ids = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(2))
+    exact = _logits(xattn.from_hf(model), states, ids)
+    assert torch.allclose(_logits(packed, states, ids), exact, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,tolerance", [("bf16", 0.03), ("int8", 0.05)])
+def test_reduced_precision_logits_stay_close_to_fp32(kind, tolerance):
+    model = tiny_captioner(seed=42)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    exact = xattn.from_hf(model)
+    states, _ = exact.encode(pixel_values=pixels)
+    ids = torch.randint(3, 99, (2, 9), generator=torch.Generator().manual_seed(4))
+    reference = _logits(exact, states, ids)
+    reduced = _logits(exact.with_weights(kind), states, ids)
+    error = (reduced - reference).abs().max() / reference.abs().max()
+    assert 0 < error < tolerance  # close, and really computed in another precision (not the fp32 path)
+
+
+def test_every_format_compiles_to_its_eager_tokens():
+    torch._dynamo.reset()
+    model = tiny_captioner(seed=43)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8)
+    for kind in ("packed", "int8"):
+        eager = xattn.from_hf(model, weights=kind)
+        compiled = xattn.from_hf(model, weights=kind).compile()
+        expected = eager.generate(pixel_values=pixels, **kwargs)
+        assert torch.equal(compiled.generate(pixel_values=pixels, **kwargs), expected)
+
+
+def test_copies_leave_the_transformers_model_alone_and_an_int8_encoder_is_a_copy():
+    model = tiny_captioner(seed=44)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    engine = xattn.from_hf(model).with_weights("int8", encoder_weights="int8")
+    assert engine.encoder is not model.encoder and engine.decoder.transformer is model.decoder.transformer
+    assert any(isinstance(m, ConvertedLinear) for m in engine.encoder.modules())
+    assert not any(isinstance(m, ConvertedLinear) for m in model.modules())
+    engine.generate(pixel_values=torch.randn(1, 3, 32, 32), max_new_tokens=4)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    x = torch.randn(5, 32)
+    linear = next(m for m in model.encoder.modules() if isinstance(m, torch.nn.Linear))
+    converted = convert_linears(torch.nn.Sequential(linear), "int8")
+    assert (converted(x) - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
+
+
+def test_exact_weights_are_the_models_own_tensors_not_copies():
+    model = tiny_captioner(seed=45)
+    decoder = xattn.from_hf(model).decoder
+    assert decoder.projections[0]["qkv"].conv is model.decoder.transformer.h[0].attn.c_attn
+    assert decoder.head_projection.module is model.decoder.lm_head
+
+
+def test_copies_are_released_with_their_decoder():
+    from xattn.weights import _Copy
+
+    engine = xattn.from_hf(tiny_captioner(seed=46), weights="int8")
+    handles = [p.handle for block in engine.decoder.projections for p in block.values()]
+    assert all(h in _Copy._live for h in handles)
+    del engine
+    gc.collect()
+    assert not any(h in _Copy._live for h in handles)
+
+
+def test_an_unknown_format_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="choose one of exact, packed, bf16, int8"):
+        xattn.from_hf(tiny_captioner(seed=47), weights="int4")
+    assert KINDS == ("exact", "packed", "bf16", "int8")
+
+
+def test_shipped_captioner_int8_and_bf16_captions_equal_fp32_on_held_out_scenes():
+    """The performance issue's bar: >= 98% of held-out captions identical to fp32's (1000 scenes measured
+    by recipes/eval_weights.py; 300 here)."""
+    from xattn.captioning import Captioner, weight_format_agreement
+    from xattn.datasets.scenes import draw, scene_for
+
+    scenes = [scene_for(3, i) for i in range(300)]
+    report = weight_format_agreement(Captioner(), [draw(s) for s in scenes], [s.caption for s in scenes],
+                                     ["packed", "bf16", "int8"])
+    assert report["packed"]["equal_to_fp32"] == 1.0
+    assert report["bf16"]["equal_to_fp32"] >= 0.98
+    assert report["int8"]["equal_to_fp32"] >= 0.98
+    assert report["int8"]["exact_match"] >= report["exact"]["exact_match"] - 0.02

@@ -1,0 +1,346 @@
+"""Decode speed side by side in one run: xattn (by weight format) vs transformers vs CTranslate2, and the floor.
+
+Model: random ViT-B/16 (224 px, 197 encoder positions) + GPT-2 small with cross-attention (the
+nlpconnect/vit-gpt2 shape), 2 threads. Every engine decodes from the same encoder output (computed once per
+row), so ms/step is the slope between two generation lengths with the encoder and the prefill cancelled out;
+end-to-end ms is the encoder's time plus the longer run. fp32 engines are checked token for token against
+transformers; bf16/int8 report the share of generated tokens equal to xattn fp32's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+ROWS = {  # name -> (batch, num_beams)
+    "B=1 greedy": (1, 1),
+    "B=1 beam 4": (1, 4),
+    "B=8 greedy": (8, 1),
+    "B=8 beam 4": (8, 4),
+}
+XATTN_WEIGHTS = {"xattn eager": "exact", "xattn packed": "packed", "xattn bf16": "bf16", "xattn int8": "int8"}
+COMPILED = {"xattn eager": "xattn compiled", "xattn packed": "xattn packed compiled",
+            "xattn int8": "xattn int8 compiled"}
+FP32_ENGINES = ("transformers static", "xattn eager", "xattn compiled", "xattn packed", "xattn packed compiled")
+
+
+@dataclass
+class Measurement:
+    row: str
+    engine: str
+    ms_per_step: float
+    end_to_end_ms: float
+    tokens_equal_to_transformers: bool | None
+    agreement_with_fp32: float | None = None  # bf16/int8: share of generated tokens equal to xattn fp32's
+    compile_s: float | None = None  # compiled engines: the first call's time (tracing + compiling + running)
+    error: str | None = None  # why an engine could not run this row
+
+
+def vit_gpt2_small(seed: int = 0, decoder_layers: int = 12):
+    from transformers import GPT2Config, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
+
+    torch.manual_seed(seed)
+    decoder = GPT2Config(add_cross_attention=True, is_decoder=True, bos_token_id=50256, eos_token_id=50256,
+                         n_layer=decoder_layers)
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(ViTConfig(), decoder)
+    config.decoder_start_token_id = config.pad_token_id = config.eos_token_id = 50256
+    return VisionEncoderDecoderModel(config).eval()
+
+
+def _timed(fn, repeats: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def _slope(call, short: int, long: int, repeats: int) -> tuple[float, float, object]:
+    """(ms per step, seconds of the long run, its output): call(n) generates n tokens."""
+    t_short, _ = _timed(lambda: call(short), repeats)
+    t_long, out = _timed(lambda: call(long), repeats)
+    return (t_long - t_short) / (long - short) * 1000, t_long, out
+
+
+def _engines(model, compiled: bool) -> dict:
+    """name -> (generate(states, beams, n) -> sequences); transformers first: it is the reference."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    import xattn
+
+    def transformers_generate(**extra):
+        def generate(states, beams, n):
+            return model.generate(encoder_outputs=BaseModelOutput(last_hidden_state=states), max_new_tokens=n,
+                                  min_new_tokens=n, num_beams=beams, **extra)
+        return generate
+
+    def xattn_generate(wrapped):
+        def generate(states, beams, n):
+            return wrapped.generate(encoder_hidden_states=states, max_new_tokens=n, min_new_tokens=n,
+                                    num_beams=beams)
+        return generate
+
+    base = xattn.from_hf(model)
+    engines = {"transformers": transformers_generate(),
+               "transformers static": transformers_generate(cache_implementation="static")}
+    for name, weights in XATTN_WEIGHTS.items():
+        engines[name] = xattn_generate(base.with_weights(weights))
+        if compiled and name in COMPILED:
+            engines[COMPILED[name]] = xattn_generate(base.with_weights(weights).compile())
+    return engines
+
+
+def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, compiled: bool = False,
+        threads: int = 2, ctranslate2: bool = True, progress=print) -> list[Measurement]:
+    import xattn
+
+    from . import ct2
+
+    torch.set_num_threads(threads)
+    if compiled:  # one graph per engine x row shape, all of the same decode_step code: more than dynamo's default 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    model = vit_gpt2_small()
+    engines = _engines(model, compiled)
+    ct2_models = _ct2_models(threads) if ctranslate2 and ct2.available() else {}
+    results = []
+    with torch.inference_mode():
+        for row in rows:
+            batch, beams = ROWS[row]
+            pixels = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(batch))
+            encoder_s, (states, _) = _timed(lambda pixels=pixels: _encode(model, pixels), repeats)
+            reference = fp32_tokens = None
+            for name, generate in engines.items():
+                m, out = _measure_engine(row, name, generate, states, beams, short, long, repeats, encoder_s)
+                if out is not None:
+                    if name == "transformers":
+                        reference = out
+                    elif name in FP32_ENGINES and reference is not None:
+                        m.tokens_equal_to_transformers = bool(torch.equal(out, reference))
+                    if name == "xattn eager":
+                        fp32_tokens = out
+                    elif name in ("xattn bf16", "xattn int8", "xattn int8 compiled") and fp32_tokens is not None:
+                        m.agreement_with_fp32 = _agreement(out, fp32_tokens)
+                _report(progress, m)
+                results.append(m)
+            for name, decoder in ct2_models.items():
+                m = _measure_ct2(row, name, decoder, batch, beams, short, long, repeats)
+                _report(progress, m)
+                results.append(m)
+            floor = floor_probe_ms(xattn.from_hf(model).decoder, batch * beams, repeats=max(3, repeats))
+            m = Measurement(row, "floor probe", floor, float("nan"), None)
+            _report(progress, m)
+            results.append(m)
+    return results
+
+
+def _encode(model, pixels):
+    return model.encoder(pixel_values=pixels)[0], None
+
+
+def _measure_engine(row, name, generate, states, beams, short, long, repeats, encoder_s):
+    def call(n):
+        return generate(states, beams, n)
+
+    try:
+        start = time.perf_counter()
+        call(short)  # warm-up (and compilation)
+        first_s = time.perf_counter() - start
+        call(long)
+        ms, t_long, out = _slope(call, short, long, repeats)
+    except Exception as error:  # an engine that cannot run a row is reported, not fatal
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        return Measurement(row, name, float("nan"), float("nan"), None, error=message), None
+    m = Measurement(row, name, ms, (encoder_s + t_long) * 1000, None,
+                    compile_s=first_s if "compiled" in name else None)
+    return m, out
+
+
+def _agreement(out: torch.Tensor, reference: torch.Tensor) -> float:
+    if out.shape != reference.shape:
+        length = min(out.shape[1], reference.shape[1])
+        out, reference = out[:, :length], reference[:, :length]
+    return float((out == reference).float().mean())
+
+
+def _ct2_models(threads: int) -> dict:
+    from . import ct2
+
+    directory = ct2.build_whisper_like(os.path.join(tempfile.mkdtemp(prefix="xattn-ct2-"), "whisper-like"))
+    return {f"ctranslate2 {kind}": ct2.CT2Decoder(directory, kind, threads) for kind in ("float32", "int8")}
+
+
+def _measure_ct2(row, name, decoder, batch, beams, short, long, repeats):
+    """CTranslate2's slope per generated token (its max_length is not a token count: count what it returns)."""
+    encoded = decoder.encode(batch)
+    decoder.generate(encoded, batch, beams, 2 * short)  # warm-up
+    runs = {}
+    for length in (2 * short, 2 * long):
+        seconds, steps = _timed(lambda length=length: decoder.generate(encoded, batch, beams, length), repeats)
+        runs[length] = (seconds, steps)
+    (t_short, n_short), (t_long, n_long) = runs[2 * short], runs[2 * long]
+    if n_long <= n_short:
+        return Measurement(row, name, float("nan"), float("nan"), None, error="it stopped early (EOS)")
+    return Measurement(row, name, (t_long - t_short) / (n_long - n_short) * 1000, float("nan"), None)
+
+
+def _report(progress, m: Measurement) -> None:
+    if m.error:
+        progress(f"{m.row:12s} {m.engine:20s} could not run: {m.error}")
+        return
+    extra = ""
+    if m.tokens_equal_to_transformers is not None:
+        extra = "  same tokens" if m.tokens_equal_to_transformers else "  TOKENS DIFFER"
+    if m.agreement_with_fp32 is not None:
+        extra = f"  {m.agreement_with_fp32:.1%} of tokens as fp32"
+    if m.compile_s is not None:
+        extra += f"  (first call {m.compile_s:.0f} s)"
+    progress(f"{m.row:12s} {m.engine:20s} {m.ms_per_step:8.1f} ms/step{extra}")
+
+
+def floor_probe_ms(decoder, rows: int, repeats: int = 5) -> float:
+    """The time to stream one decode step's fp32 weights once: a [rows, in] x [in, out] product over each tensor
+    the step reads (self-attention, cross-attention query/output, MLP, LM head), nothing else; the faster of
+    torch's matrix product on the tensors as they are and oneDNN's on prepacked copies. A decode step in fp32
+    cannot beat this on the same machine; the ratio to it says how much of a step is overhead."""
+    plain = _stream_ms(decoder, rows, repeats, packed=False)
+    if not torch.backends.mkldnn.is_available():
+        return plain
+    return min(plain, _stream_ms(decoder, rows, repeats, packed=True))
+
+
+def _stream_ms(decoder, rows: int, repeats: int, packed: bool) -> float:
+    weights = []
+    for block in decoder.blocks:
+        weights += [block.attn.c_attn.weight, block.attn.c_proj.weight, block.mlp.c_fc.weight, block.mlp.c_proj.weight]
+        if hasattr(block, "crossattention"):
+            weights += [block.crossattention.q_attn.weight, block.crossattention.c_proj.weight]
+    head = decoder.lm_head.weight  # [vocab, D]: read as its transpose
+    inputs = [torch.randn(rows, w.shape[0]) for w in weights]
+    x_head = torch.randn(rows, head.shape[1])
+
+    if packed:
+        from ..weights import PackedLinear
+
+        linears = [PackedLinear(w.t(), None) for w in weights] + [PackedLinear(head, None)]
+        xs = inputs + [x_head]
+
+        def stream():
+            for x, linear in zip(xs, linears):
+                linear(x)
+    else:
+        def stream():
+            for x, w in zip(inputs, weights):
+                torch.mm(x, w)
+            torch.mm(x_head, head.t())
+
+    with torch.inference_mode():
+        stream()
+        seconds, _ = _timed(stream, repeats)
+    return seconds * 1000
+
+
+def table(results: list[Measurement]) -> str:
+    """Ratios to transformers (dynamic cache) per row, to the floor probe, and to CTranslate2 of the same
+    precision; token identity (fp32) or agreement with fp32 (bf16/int8)."""
+    header = (f"{'row':12s} {'engine':20s} {'ms/step':>8s} {'x transf.':>9s} {'x floor':>8s} {'x ct2':>6s} "
+              f"{'e2e ms':>7s}  tokens")
+    lines = [header]
+    by_row = {(m.row, m.engine): m.ms_per_step for m in results}
+    for m in results:
+        base = by_row.get((m.row, "transformers"), float("nan"))
+        floor = by_row.get((m.row, "floor probe"), float("nan"))
+        ct2 = by_row.get((m.row, "ctranslate2 int8" if "int8" in m.engine else "ctranslate2 float32"), float("nan"))
+        if m.error:
+            lines.append(f"{m.row:12s} {m.engine:20s} could not run: {m.error}")
+            continue
+        if m.tokens_equal_to_transformers is not None:
+            tokens = "same" if m.tokens_equal_to_transformers else "DIFFER"
+        elif m.agreement_with_fp32 is not None:
+            tokens = f"{m.agreement_with_fp32:.1%} = fp32"
+        else:
+            tokens = "-"
+        if m.compile_s is not None:
+            tokens += f" (first call {m.compile_s:.0f} s)"
+        end_to_end = "-" if m.end_to_end_ms != m.end_to_end_ms else f"{m.end_to_end_ms:.0f}"  # NaN: no run
+        lines.append(f"{m.row:12s} {m.engine:20s} {m.ms_per_step:8.1f} {_ratio(m.ms_per_step, base):>9s} "
+                     f"{_ratio(m.ms_per_step, floor):>8s} {_ratio(m.ms_per_step, ct2):>6s} {end_to_end:>7s}  {tokens}")
+    return "\n".join(lines)
+
+
+def _ratio(value: float, base: float) -> str:
+    return "-" if value != value or base != base else f"{value / base:.2f}"
+
+
+def save(results: list[Measurement], path: str, **extra) -> None:
+    """JSON with the date, machine and versions; extra: more sections (end-to-end, compile cache)."""
+    import transformers
+
+    from . import ct2
+
+    record = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ctranslate2": ct2.version(),
+        "results": [asdict(m) for m in results],
+        **{name: _plain(value) for name, value in extra.items()},
+    }
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def _plain(value):
+    if isinstance(value, list):
+        return [asdict(v) if hasattr(v, "__dataclass_fields__") else v for v in value]
+    return value
+
+
+def machine() -> str:
+    """CPU model, core count and torch threads, for the record."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def training_step_cost(checkpointing: bool, batch: int = 8, tokens: int = 32, steps: int = 2,
+                       threads: int = 2) -> dict:
+    """Seconds per AdamW step (best of `steps`) and the process's peak RSS, training the ViT-B/16 + GPT-2
+    small captioner with or without gradient checkpointing. Run each setting in its own process: peak RSS
+    is per process."""
+    import resource
+
+    from ..train import enable_checkpointing
+
+    torch.set_num_threads(threads)
+    model = vit_gpt2_small().train()
+    model.config.use_cache = False
+    if checkpointing:
+        enable_checkpointing(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randn(batch, 3, 224, 224, generator=generator)
+    labels = torch.randint(0, 50000, (batch, tokens), generator=generator)
+
+    def step():
+        loss = model(pixel_values=pixels, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state exists from here on, as in a real run
+    seconds, _ = _timed(step, steps)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return {"gradient_checkpointing": checkpointing, "batch": batch, "tokens": tokens,
+            "seconds_per_step": seconds, "peak_rss_mb": peak_mb}

@@ -1,0 +1,181 @@
+"""Weight formats for the decoder's projections: what a decode step streams from memory.
+
+A decode step reads every projection weight once per token (qkv, attention out, cross-attention query and
+out, MLP in and out per layer, then the LM head): at small batch it is bound by memory bandwidth, so the
+format of those weights sets its speed.
+
+- "exact": transformers' own tensors and ops (Conv1D's addmm, the head's linear); bit-identical logits.
+- "packed": fp32 copies prepacked for oneDNN (its blocked layout for matrix-vector products); the same
+  values summed in another order, so logits differ by rounding only.
+- "bf16": bfloat16 copies (half the bytes); activations are cast to bf16 for the product, results to fp32.
+- "int8": int8 copies with one scale per output channel, activations quantized per call (fbgemm).
+
+Copies are made once, when the decoder is built: later changes to the transformers weights are not seen
+(build the decoder again after fine-tuning).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("exact", "packed", "bf16", "int8")
+
+
+class ExactConv1D:
+    """transformers' Conv1D (weight [in, out]): the same addmm it runs, so results match bit for bit."""
+
+    def __init__(self, conv: nn.Module):
+        self.conv = conv
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.conv.bias, x.reshape(-1, x.shape[-1]), self.conv.weight)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class ExactModule:
+    """Any module called as is (the LM head: nn.Linear)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+class _Copy:
+    """A projection holding its own copy of the weights. Under torch.compile it is called through one opaque
+    custom op (`xattn::projection`, which finds it by handle): the compiler cannot trace oneDNN's packed
+    tensors or fbgemm's packed parameters, but compiles everything around them."""
+
+    _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    _handles = itertools.count()
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features = weight.shape[0]
+        self.handle = next(_Copy._handles)
+        _Copy._live[self.handle] = self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.xattn.projection(x, self.handle)
+        return self.forward(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@torch.library.custom_op("xattn::projection", mutates_args=())
+def _projection(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return _Copy._live[handle].forward(x)
+
+
+@_projection.register_fake
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _Copy._live[handle].out_features)
+
+
+class PackedLinear(_Copy):
+    """fp32 weight [out, in] prepacked for oneDNN's linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), 1)
+        self.bias = None if bias is None else bias.detach().float().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+
+class BF16Linear(_Copy):
+    """bfloat16 weight [out, in]; the bias is added in fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight)
+        self.weight = weight.detach().to(torch.bfloat16).contiguous()
+        self.bias = None if bias is None else bias.detach().float().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.to(torch.bfloat16), self.weight).float()
+        return out if self.bias is None else out + self.bias
+
+
+class Int8Linear(_Copy):
+    """int8 weight [out, in], symmetric with one scale per output channel; fbgemm's dynamic linear
+    quantizes the activations per call (7-bit range, as torch's dynamic quantization does on x86)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight)
+        weight = weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm's kernels remain
+            warnings.simplefilter("ignore")
+            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(
+                quantized, None if bias is None else bias.detach().float().clone()
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
+
+
+_COPIES = {"packed": PackedLinear, "bf16": BF16Linear, "int8": Int8Linear}
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"weights={kind!r}: choose one of {', '.join(KINDS)}")
+    if kind != "exact" and not torch.backends.mkldnn.is_available():
+        raise ValueError(f"weights={kind!r} needs torch built with oneDNN (mkldnn); use weights='exact'")
+    return kind
+
+
+def conv1d(conv: nn.Module, kind: str):
+    """A projection over a transformers Conv1D (weight [in, out])."""
+    if kind == "exact":
+        return ExactConv1D(conv)
+    return _COPIES[kind](conv.weight.t(), conv.bias)
+
+
+def linear(module: nn.Module, kind: str):
+    """A projection over an nn.Linear (weight [out, in]); other modules are only run as they are."""
+    if kind == "exact" or not isinstance(module, nn.Linear):
+        return ExactModule(module)
+    return _COPIES[kind](module.weight, module.bias)
+
+
+class ConvertedLinear(nn.Module):
+    """Stands in for an nn.Linear with a copy of its weights in another format (inference only)."""
+
+    def __init__(self, linear: nn.Linear, kind: str):
+        super().__init__()
+        self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
+        self.projection = _COPIES[kind](linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind}"
+
+
+def convert_linears(module: nn.Module, kind: str) -> nn.Module:
+    """A copy of module (e.g. a ViT encoder) whose nn.Linear layers hold their weights in format kind; the
+    original is left as it is."""
+    import copy
+
+    check_kind(kind)
+    module = copy.deepcopy(module)
+    if kind == "exact":
+        return module
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, ConvertedLinear(child, kind))
+    return module
