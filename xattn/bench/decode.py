@@ -53,7 +53,7 @@ def vit_gpt2_small(seed: int = 0, decoder_layers: int = 12):
     return VisionEncoderDecoderModel(config).eval()
 
 
-def _timed(fn, repeats: int) -> tuple[float, object]:
+def best_of(fn, repeats: int) -> tuple[float, object]:
     best, out = float("inf"), None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -62,15 +62,8 @@ def _timed(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def _slope(call, short: int, long: int, repeats: int) -> tuple[float, float, object]:
-    """(ms per step, seconds of the long run, its output): call(n) generates n tokens."""
-    t_short, _ = _timed(lambda: call(short), repeats)
-    t_long, out = _timed(lambda: call(long), repeats)
-    return (t_long - t_short) / (long - short) * 1000, t_long, out
-
-
 def _engines(model, compiled: bool) -> dict:
-    """name -> (generate(states, beams, n) -> sequences); transformers first: it is the reference."""
+    """name -> generate(states, beams, n) -> (sequences, steps); transformers first: it is the reference."""
     from transformers.modeling_outputs import BaseModelOutput
 
     import xattn
@@ -78,13 +71,13 @@ def _engines(model, compiled: bool) -> dict:
     def transformers_generate(**extra):
         def generate(states, beams, n):
             return model.generate(encoder_outputs=BaseModelOutput(last_hidden_state=states), max_new_tokens=n,
-                                  min_new_tokens=n, num_beams=beams, **extra)
+                                  min_new_tokens=n, num_beams=beams, **extra), n
         return generate
 
     def xattn_generate(wrapped):
         def generate(states, beams, n):
             return wrapped.generate(encoder_hidden_states=states, max_new_tokens=n, min_new_tokens=n,
-                                    num_beams=beams)
+                                    num_beams=beams), n
         return generate
 
     base = xattn.from_hf(model)
@@ -99,6 +92,8 @@ def _engines(model, compiled: bool) -> dict:
 
 def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, compiled: bool = False,
         threads: int = 2, ctranslate2: bool = True, progress=print) -> list[Measurement]:
+    """Per row: every engine is warmed up (and compiled), then timed in rounds, one short and one long run of
+    each engine per round (so a noisy moment of the machine hits all of them), best of `repeats` rounds."""
     import xattn
 
     from . import ct2
@@ -109,57 +104,80 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
     model = vit_gpt2_small()
     engines = _engines(model, compiled)
     ct2_models = _ct2_models(threads) if ctranslate2 and ct2.available() else {}
+    decoder = xattn.from_hf(model).decoder
     results = []
     with torch.inference_mode():
         for row in rows:
             batch, beams = ROWS[row]
             pixels = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(batch))
-            encoder_s, (states, _) = _timed(lambda pixels=pixels: _encode(model, pixels), repeats)
-            reference = fp32_tokens = None
-            for name, generate in engines.items():
-                m, out = _measure_engine(row, name, generate, states, beams, short, long, repeats, encoder_s)
-                if out is not None:
-                    if name == "transformers":
-                        reference = out
-                    elif name in FP32_ENGINES and reference is not None:
-                        m.tokens_equal_to_transformers = bool(torch.equal(out, reference))
-                    if name == "xattn eager":
-                        fp32_tokens = out
-                    elif name in ("xattn bf16", "xattn int8", "xattn int8 compiled") and fp32_tokens is not None:
-                        m.agreement_with_fp32 = _agreement(out, fp32_tokens)
+            encoder_s, states = best_of(lambda pixels=pixels: model.encoder(pixel_values=pixels)[0], repeats)
+            calls = {name: (lambda n, g=generate, s=states, k=beams: g(s, k, n)) for name, generate in engines.items()}
+            for name, decoder_ct2 in ct2_models.items():
+                encoded = decoder_ct2.encode(batch)
+                # its max_length is not a token count: ask for twice as many and count what comes back
+                calls[name] = lambda n, d=decoder_ct2, e=encoded, b=batch, k=beams: (None, d.generate(e, b, k, 2 * n))
+            measured = _rounds(row, calls, short, long, repeats, encoder_s, progress)
+            _compare_tokens(measured)
+            floor = floor_probe_ms(decoder, batch * beams, repeats=max(3, repeats))
+            for m, _ in measured.values():
                 _report(progress, m)
                 results.append(m)
-            for name, decoder in ct2_models.items():
-                m = _measure_ct2(row, name, decoder, batch, beams, short, long, repeats)
-                _report(progress, m)
-                results.append(m)
-            floor = floor_probe_ms(xattn.from_hf(model).decoder, batch * beams, repeats=max(3, repeats))
-            m = Measurement(row, "floor probe", floor, float("nan"), None)
-            _report(progress, m)
-            results.append(m)
+            results.append(Measurement(row, "floor probe", floor, float("nan"), None))
+            _report(progress, results[-1])
     return results
 
 
-def _encode(model, pixels):
-    return model.encoder(pixel_values=pixels)[0], None
+def _rounds(row, calls, short, long, repeats, encoder_s, progress) -> dict:
+    """name -> (Measurement, the long run's sequences or None)."""
+    first, failed = {}, {}
+    for name, call in calls.items():  # warm-up, compilation
+        try:
+            start = time.perf_counter()
+            call(short)
+            first[name] = time.perf_counter() - start
+            call(long)
+        except Exception as error:  # an engine that cannot run a row is reported, not fatal
+            failed[name] = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    best = {name: {} for name in first}
+    outputs = {}
+    for _ in range(repeats):
+        for name in first:
+            for n in (short, long):
+                start = time.perf_counter()
+                out, steps = calls[name](n)
+                seconds = time.perf_counter() - start
+                if seconds < best[name].get(n, (float("inf"),))[0]:
+                    best[name][n] = (seconds, steps)
+                if n == long:
+                    outputs[name] = out
+    measured = {}
+    for name in calls:
+        if name in failed:
+            measured[name] = (Measurement(row, name, float("nan"), float("nan"), None, error=failed[name]), None)
+            continue
+        (t_short, n_short), (t_long, n_long) = best[name][short], best[name][long]
+        if n_long <= n_short:
+            m = Measurement(row, name, float("nan"), float("nan"), None, error="it stopped early")
+        else:
+            is_ct2 = name.startswith("ctranslate2")
+            m = Measurement(row, name, (t_long - t_short) / (n_long - n_short) * 1000,
+                            float("nan") if is_ct2 else (encoder_s + t_long) * 1000, None,
+                            compile_s=first[name] if "compiled" in name else None)
+        measured[name] = (m, outputs.get(name))
+    return measured
 
 
-def _measure_engine(row, name, generate, states, beams, short, long, repeats, encoder_s):
-    def call(n):
-        return generate(states, beams, n)
-
-    try:
-        start = time.perf_counter()
-        call(short)  # warm-up (and compilation)
-        first_s = time.perf_counter() - start
-        call(long)
-        ms, t_long, out = _slope(call, short, long, repeats)
-    except Exception as error:  # an engine that cannot run a row is reported, not fatal
-        message = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        return Measurement(row, name, float("nan"), float("nan"), None, error=message), None
-    m = Measurement(row, name, ms, (encoder_s + t_long) * 1000, None,
-                    compile_s=first_s if "compiled" in name else None)
-    return m, out
+def _compare_tokens(measured: dict) -> None:
+    """fp32 engines against transformers' tokens; bf16/int8 against xattn fp32's (share of equal tokens)."""
+    reference = measured.get("transformers", (None, None))[1]
+    fp32 = measured.get("xattn eager", (None, None))[1]
+    for name, (m, out) in measured.items():
+        if out is None or name == "transformers":
+            continue
+        if name in FP32_ENGINES and reference is not None:
+            m.tokens_equal_to_transformers = bool(torch.equal(out, reference))
+        elif name in ("xattn bf16", "xattn int8", "xattn int8 compiled") and fp32 is not None:
+            m.agreement_with_fp32 = _agreement(out, fp32)
 
 
 def _agreement(out: torch.Tensor, reference: torch.Tensor) -> float:
@@ -174,20 +192,6 @@ def _ct2_models(threads: int) -> dict:
 
     directory = ct2.build_whisper_like(os.path.join(tempfile.mkdtemp(prefix="xattn-ct2-"), "whisper-like"))
     return {f"ctranslate2 {kind}": ct2.CT2Decoder(directory, kind, threads) for kind in ("float32", "int8")}
-
-
-def _measure_ct2(row, name, decoder, batch, beams, short, long, repeats):
-    """CTranslate2's slope per generated token (its max_length is not a token count: count what it returns)."""
-    encoded = decoder.encode(batch)
-    decoder.generate(encoded, batch, beams, 2 * short)  # warm-up
-    runs = {}
-    for length in (2 * short, 2 * long):
-        seconds, steps = _timed(lambda length=length: decoder.generate(encoded, batch, beams, length), repeats)
-        runs[length] = (seconds, steps)
-    (t_short, n_short), (t_long, n_long) = runs[2 * short], runs[2 * long]
-    if n_long <= n_short:
-        return Measurement(row, name, float("nan"), float("nan"), None, error="it stopped early (EOS)")
-    return Measurement(row, name, (t_long - t_short) / (n_long - n_short) * 1000, float("nan"), None)
 
 
 def _report(progress, m: Measurement) -> None:
@@ -242,7 +246,7 @@ def _stream_ms(decoder, rows: int, repeats: int, packed: bool) -> float:
 
     with torch.inference_mode():
         stream()
-        seconds, _ = _timed(stream, repeats)
+        seconds, _ = best_of(stream, repeats)
     return seconds * 1000
 
 
@@ -340,7 +344,7 @@ def training_step_cost(checkpointing: bool, batch: int = 8, tokens: int = 32, st
         optimizer.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state exists from here on, as in a real run
-    seconds, _ = _timed(step, steps)
+    seconds, _ = best_of(step, steps)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     return {"gradient_checkpointing": checkpointing, "batch": batch, "tokens": tokens,
             "seconds_per_step": seconds, "peak_rss_mb": peak_mb}
