@@ -67,6 +67,11 @@ class GPT2CrossAttentionDecoder(nn.Module):
                 scaling /= float(layer_idx + 1)
             self.scalings.append(scaling)
         self.projections = [self._block_projections(block, weights) for block in transformer.h]
+        # exact: transformers' own attention and activation ops, for identical logits; otherwise the
+        # cheaper forms of the same math (a decode step's query is one row: SDPA's kernel costs more than it)
+        self.attention = F.scaled_dot_product_attention if weights == "exact" else _plain_attention
+        fast_gelu = weights != "exact" and config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
+        self.activation = _tanh_gelu if fast_gelu else _module_activation
         self.head_projection = None if lm_head is None else weight_formats.linear(lm_head, weights)
 
     @staticmethod
@@ -226,23 +231,23 @@ class GPT2CrossAttentionDecoder(nn.Module):
         keys, values = cache.keys[layer_idx], cache.values[layer_idx]  # (B, H, T_max, hd)
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=self_mask, scale=scaling)
+        attn = self.attention(q, keys, values, attn_mask=self_mask, scale=scaling)
         hidden = hidden + proj["attn_out"](attn.transpose(1, 2).reshape(b, t, h * hd))
 
         if cache.cross_keys is not None:
             x = _layer_norm(hidden, block.ln_cross_attn)
             q = proj["cross_q"](x).view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
             ck, cv = cache.cross_keys[layer_idx], cache.cross_values[layer_idx]  # (B_enc, H, S, hd)
-            attn = _shared_cross_attention(q, ck, cv, cross_mask, enc_index, scaling)
+            attn = _shared_cross_attention(q, ck, cv, cross_mask, enc_index, scaling, self.attention)
             if record is not None:
                 record.append(_cross_probs(q, ck, cache.encoder_rows(), cache.cross_mask, scaling))
             hidden = hidden + proj["cross_out"](attn.transpose(1, 2).reshape(b, t, h * hd))
 
         # transformers' GPT2MLP: c_fc, act, c_proj (its dropout is the identity in eval)
-        return hidden + proj["mlp_out"](block.mlp.act(proj["mlp_in"](_layer_norm(hidden, block.ln_2))))
+        return hidden + proj["mlp_out"](self.activation(block, proj["mlp_in"](_layer_norm(hidden, block.ln_2))))
 
 
-def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling):
+def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling, attention):
     """Attention of q (B, H, T, hd) over cross K/V stored once per encoder row (B_enc, H, S, hd).
 
     In the regular layout the g = B / B_enc rows of one input become g*T query positions of that input,
@@ -251,17 +256,33 @@ def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling)
     b, h, t, hd = q.shape
     if enc_index is not None:
         mask = None if cross_mask is None else cross_mask.index_select(0, enc_index)
-        return F.scaled_dot_product_attention(
+        return attention(
             q, cross_k.index_select(0, enc_index), cross_v.index_select(0, enc_index), attn_mask=mask,
             scale=scaling,
         )
     b_enc = cross_k.shape[0]
     g = b // b_enc
     if g == 1:
-        return F.scaled_dot_product_attention(q, cross_k, cross_v, attn_mask=cross_mask, scale=scaling)
+        return attention(q, cross_k, cross_v, attn_mask=cross_mask, scale=scaling)
     q = q.view(b_enc, g, h, t, hd).transpose(1, 2).reshape(b_enc, h, g * t, hd)  # (B_enc, H, g*T, hd)
-    out = F.scaled_dot_product_attention(q, cross_k, cross_v, attn_mask=cross_mask, scale=scaling)
+    out = attention(q, cross_k, cross_v, attn_mask=cross_mask, scale=scaling)
     return out.view(b_enc, h, g, t, hd).transpose(1, 2).reshape(b, h, t, hd)  # (B, H, T, hd)
+
+
+def _plain_attention(q, k, v, attn_mask=None, scale=None):
+    """softmax(q k^T * scale) v with a boolean mask (True: may attend), as three products-and-softmax ops."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
+def _tanh_gelu(block, x):
+    return F.gelu(x, approximate="tanh")  # gelu_new's formula in one op
+
+
+def _module_activation(block, x):
+    return block.mlp.act(x)
 
 
 def _cross_probs(q, cross_k, enc_rows, cross_mask, scaling):
