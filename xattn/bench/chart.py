@@ -19,11 +19,11 @@ def draw(decode: list, end_to_end: list | None, path: str, title: str = "") -> N
                              gridspec_kw={"width_ratios": [2, 1][:panels]})
     ax = axes[0][0]
     width = 0.8 / len(engines)
-    colors = plt.get_cmap("tab10")
+    colors = plt.get_cmap("tab20" if len(engines) > 10 else "tab10")
     for i, engine in enumerate(engines):
         heights = [value.get((row, engine), math.nan) for row in rows]
         xs = [r + (i - (len(engines) - 1) / 2) * width for r in range(len(rows))]
-        ax.bar(xs, heights, width, label=engine, color=colors(i % 10))
+        ax.bar(xs, heights, width, label=engine, color=colors(i % colors.N))
     for r, row in enumerate(rows):
         floor = value.get((row, "floor probe"))
         if floor:
