@@ -46,9 +46,13 @@ def test_ctranslate2_whisper_shaped_model_decodes_and_counts_its_steps(tmp_path)
 
     directory = ct2.build_whisper_like(str(tmp_path / "ct2"), encoder_positions=10, hidden=64, layers=2, heads=4,
                                        ffn=128)
+    import torch
+
+    threads = torch.get_num_threads()
     decoder = ct2.CT2Decoder(directory, "int8", threads=1, encoder_positions=10)
     encoded = decoder.encode(2)
     short, long = decoder.generate(encoded, 2, 1, 8), decoder.generate(encoded, 2, 1, 24)
+    assert torch.get_num_threads() == threads  # CTranslate2 shares torch's OpenMP: it must not keep its count
     assert 0 < short < long <= 24
     assert 0 < decoder.generate(encoded, 2, 4, 24) <= 24  # beam search runs too
 

@@ -69,9 +69,12 @@ class CT2Decoder:
 
     def __init__(self, directory: str, compute_type: str, threads: int, encoder_positions: int = 197):
         import ctranslate2
+        import torch
 
+        torch_threads = torch.get_num_threads()
         self.model = ctranslate2.models.Whisper(directory, device="cpu", intra_threads=threads,
                                                 compute_type=compute_type)
+        torch.set_num_threads(torch_threads)  # CTranslate2 sets the OpenMP thread count it shares with torch
         self.frames = 2 * encoder_positions  # Whisper's encoder halves the frame rate
 
     def encode(self, batch: int, seed: int = 0):
