@@ -1,5 +1,6 @@
 """Weight formats on the shipped captioner: how often a caption decoded with packed fp32, bf16 or int8
-weights equals the exact fp32 one, on held-out scenes (the test split's seed, 3; never seen in training).
+weights equals the exact fp32 one, on held-out scenes (the test split's seed, 3; never seen in training), in
+batches of 100 (oneDNN's and fbgemm's products) and one image at a time (xattn's matrix-vector kernels).
 
     python recipes/eval_weights.py --scenes 1000 --json data/models/scene-captioner/eval-weights.json
 """
@@ -17,13 +18,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint (default: the shipped scene captioner)")
     parser.add_argument("--scenes", type=int, default=1000, help="held-out scenes 0..N-1 of seed 3")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[100, 1])
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
     scenes = [scene_for(3, i) for i in range(args.scenes)]
-    report = weight_format_agreement(Captioner(args.model), [draw(s) for s in scenes], [s.caption for s in scenes],
-                                     FORMATS)
-    report = {"scenes": args.scenes, "formats": report}
+    captioner, images, truths = Captioner(args.model), [draw(s) for s in scenes], [s.caption for s in scenes]
+    report = {"scenes": args.scenes}
+    for batch_size in args.batch_sizes:
+        report[f"batch {batch_size}"] = weight_format_agreement(captioner, images, truths, FORMATS, batch_size)
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:

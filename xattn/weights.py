@@ -5,10 +5,13 @@ out, MLP in and out per layer, then the LM head): at small batch it is bound by 
 format of those weights sets its speed.
 
 - "exact": transformers' own tensors and ops (Conv1D's addmm, the head's linear); bit-identical logits.
-- "packed": fp32 copies prepacked for oneDNN (its blocked layout for matrix-vector products); the same
-  values summed in another order, so logits differ by rounding only.
+- "packed": fp32 copies: at up to SMALL_ROWS activation rows (a decode step at batch 1-8) through xattn's
+  own AVX2 matrix-vector kernel (xattn.kernels), above that through oneDNN with the weights prepacked in its
+  blocked layout; the same values summed in another order, so logits differ by rounding only.
 - "bf16": bfloat16 copies (half the bytes); activations are cast to bf16 for the product, results to fp32.
-- "int8": int8 copies with one scale per output channel, activations quantized per call (fbgemm).
+- "int8": int8 copies with one scale per output channel, activations quantized per call: at up to
+  INT8_SMALL_ROWS rows by xattn's byte-product kernel (8-bit, symmetric per row), above that by fbgemm's
+  dynamic linear (7-bit per tensor).
 
 Copies are made once, when the decoder is built: later changes to the transformers weights are not seen
 (build the decoder again after fine-tuning).
@@ -24,7 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+
 KINDS = ("exact", "packed", "bf16", "int8")
+SMALL_ROWS = 8  # up to this many activation rows, xattn's fp32 matrix-vector kernel beats oneDNN's
+INT8_SMALL_ROWS = 3  # and its int8 one beats fbgemm's (measured on a 2-core AVX2 machine)
 
 
 class ExactConv1D:
@@ -80,15 +87,23 @@ def _(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _Copy._live[handle].out_features)
 
 
+def _small(x: torch.Tensor, plain: torch.Tensor | None, rows: int) -> bool:
+    return plain is not None and x.numel() <= rows * x.shape[-1]
+
+
 class PackedLinear(_Copy):
-    """fp32 weight [out, in] prepacked for oneDNN's linear."""
+    """fp32 weight [out, in]: as it is for xattn's kernel (few rows), prepacked for oneDNN's linear (more)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), 1)
+        weight = weight.detach().float().contiguous()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.plain = weight.clone() if kernels.available() else None
         self.bias = None if bias is None else bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _small(x, self.plain, SMALL_ROWS):
+            return kernels.matvec(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
 
@@ -106,22 +121,25 @@ class BF16Linear(_Copy):
 
 
 class Int8Linear(_Copy):
-    """int8 weight [out, in], symmetric with one scale per output channel; fbgemm's dynamic linear
-    quantizes the activations per call (7-bit range, as torch's dynamic quantization does on x86)."""
+    """int8 weight [out, in], symmetric with one scale per output channel: xattn's kernel at few rows, fbgemm's
+    dynamic linear above (7-bit activation range, as torch's dynamic quantization does on x86)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
         weight = weight.detach().float()
         scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        self.bias = None if bias is None else bias.detach().float().clone()
         with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm's kernels remain
             warnings.simplefilter("ignore")
             quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-            self.packed = torch.ops.quantized.linear_prepack(
-                quantized, None if bias is None else bias.detach().float().clone()
-            )
+            self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
+        self.plain = quantized.int_repr().contiguous() if kernels.available() else None
+        self.scales = scales.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _small(x, self.plain, INT8_SMALL_ROWS):
+            return kernels.matvec_int8(x, self.plain, self.scales, self.bias)
         return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
 
 

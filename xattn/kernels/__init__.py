@@ -1,0 +1,94 @@
+"""xattn's own CPU kernels (matvec.cpp), compiled on first use with the system's g++ against torch's headers.
+
+`matvec(x, weight, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N]. `matvec_int8(x, weight,
+scale, bias=None)`: int8 weight with one scale per row, x quantized to int8 per row inside. The build lands in
+~/.cache/xattn/ (or $XATTN_CACHE) keyed by the source and the torch version, so later processes load it at
+once. `available()` is False where it cannot be built or run (no g++,
+no AVX2/FMA, not x86-64, XATTN_NO_KERNELS=1); callers then use torch's kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+
+import torch
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matvec.cpp")
+_state: dict = {}
+
+
+def available() -> bool:
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return _state["ok"]
+
+
+def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.xattn_kernels.matvec(x, weight, bias)
+
+
+def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32, quantized per row to int8 inside, times int8 weight [N, K] with one scale per row."""
+    return torch.ops.xattn_kernels.matvec_int8(x, weight, scale, bias)
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _load() -> bool:
+    if os.environ.get("XATTN_NO_KERNELS") == "1" or platform.machine() != "x86_64" or not _cpu_has_avx2_fma():
+        return False
+    try:
+        torch.ops.load_library(_build())
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        warnings.warn(f"xattn's CPU kernels could not be built ({str(error).splitlines()[0][:200]}); "
+                      "using torch's kernels", stacklevel=3)
+        return False
+    _register_fake()
+    return True
+
+
+def _build() -> str:
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    cache = os.environ.get("XATTN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "xattn"))
+    target = os.path.join(cache, f"matvec-{key}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(cache, exist_ok=True)
+    torch_dir = os.path.dirname(torch.__file__)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: concurrent builds are safe
+        out = os.path.join(tmp, "matvec.so")
+        subprocess.run(
+            ["g++", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", os.path.join(torch_dir, "include"),
+             "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"), _SOURCE,
+             "-L", os.path.join(torch_dir, "lib"), "-lc10", "-ltorch_cpu", "-o", out],
+            check=True, capture_output=True, text=True,
+        )
+        os.replace(out, target)
+    return target
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("xattn_kernels::matvec")
+    def _(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("xattn_kernels::matvec_int8")
+    def _(x, weight, scale, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
