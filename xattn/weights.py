@@ -70,8 +70,12 @@ class _Copy:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.xattn.projection(x, self.handle)
+            return self.traced(x)
         return self.forward(x)
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor:
+        """What a compiled graph calls: by default the whole projection as one opaque op."""
+        return torch.ops.xattn.projection(x, self.handle)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -105,6 +109,9 @@ class PackedLinear(_Copy):
         if _small(x, self.plain, SMALL_ROWS):
             return kernels.matvec(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor:  # xattn's kernel is a plain op over plain tensors
+        return kernels.matvec(x, self.plain, self.bias) if _small(x, self.plain, SMALL_ROWS) else super().traced(x)
 
 
 class BF16Linear(_Copy):
@@ -141,6 +148,11 @@ class Int8Linear(_Copy):
         if _small(x, self.plain, INT8_SMALL_ROWS):
             return kernels.matvec_int8(x, self.plain, self.scales, self.bias)
         return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor:
+        if _small(x, self.plain, INT8_SMALL_ROWS):
+            return kernels.matvec_int8(x, self.plain, self.scales, self.bias)
+        return super().traced(x)
 
 
 _COPIES = {"packed": PackedLinear, "bf16": BF16Linear, "int8": Int8Linear}
