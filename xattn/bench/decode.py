@@ -116,7 +116,7 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
                 encoded = decoder_ct2.encode(batch)
                 # its max_length is not a token count: ask for twice as many and count what comes back
                 calls[name] = lambda n, d=decoder_ct2, e=encoded, b=batch, k=beams: (None, d.generate(e, b, k, 2 * n))
-            measured = _rounds(row, calls, short, long, repeats, encoder_s, progress)
+            measured = _rounds(row, calls, short, long, repeats, encoder_s)
             _compare_tokens(measured)
             floor = floor_probe_ms(decoder, batch * beams, repeats=max(3, repeats))
             for m, _ in measured.values():
@@ -127,7 +127,7 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
     return results
 
 
-def _rounds(row, calls, short, long, repeats, encoder_s, progress) -> dict:
+def _rounds(row, calls, short, long, repeats, encoder_s) -> dict:
     """name -> (Measurement, the long run's sequences or None)."""
     first, failed = {}, {}
     for name, call in calls.items():  # warm-up, compilation
@@ -188,10 +188,12 @@ def _agreement(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _ct2_models(threads: int) -> dict:
+    """Both precisions, loaded into memory; the converted files (~1 GB with transformers' copy) are removed."""
     from . import ct2
 
-    directory = ct2.build_whisper_like(os.path.join(tempfile.mkdtemp(prefix="xattn-ct2-"), "whisper-like"))
-    return {f"ctranslate2 {kind}": ct2.CT2Decoder(directory, kind, threads) for kind in ("float32", "int8")}
+    with tempfile.TemporaryDirectory(prefix="xattn-ct2-") as scratch:
+        directory = ct2.build_whisper_like(os.path.join(scratch, "whisper-like"))
+        return {f"ctranslate2 {kind}": ct2.CT2Decoder(directory, kind, threads) for kind in ("float32", "int8")}
 
 
 def _report(progress, m: Measurement) -> None:
