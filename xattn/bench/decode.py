@@ -267,18 +267,20 @@ def table(results: list[Measurement]) -> str:
         if m.error:
             lines.append(f"{m.row:12s} {m.engine:20s} could not run: {m.error}")
             continue
-        if m.tokens_equal_to_transformers is not None:
-            tokens = "same" if m.tokens_equal_to_transformers else "DIFFER"
-        elif m.agreement_with_fp32 is not None:
-            tokens = f"{m.agreement_with_fp32:.1%} = fp32"
-        else:
-            tokens = "-"
+        tokens = tokens_cell(m.tokens_equal_to_transformers, m.agreement_with_fp32)
         if m.compile_s is not None:
             tokens += f" (first call {m.compile_s:.0f} s)"
         end_to_end = "-" if m.end_to_end_ms != m.end_to_end_ms else f"{m.end_to_end_ms:.0f}"  # NaN: no run
         lines.append(f"{m.row:12s} {m.engine:20s} {m.ms_per_step:8.1f} {_ratio(m.ms_per_step, base):>9s} "
                      f"{_ratio(m.ms_per_step, floor):>8s} {_ratio(m.ms_per_step, ct2):>6s} {end_to_end:>7s}  {tokens}")
     return "\n".join(lines)
+
+
+def tokens_cell(equal_to_transformers: bool | None, agreement_with_fp32: float | None) -> str:
+    """A table's tokens column: identity with transformers (fp32), or the share equal to fp32's (bf16/int8)."""
+    if equal_to_transformers is not None:
+        return "same" if equal_to_transformers else "DIFFER"
+    return "-" if agreement_with_fp32 is None else f"{agreement_with_fp32:.1%} = fp32"
 
 
 def _ratio(value: float, base: float) -> str:

@@ -68,15 +68,12 @@ def run(images: int = 64, batch: int = 16, new_tokens: int = 16, threads: int = 
 
 
 def table(results: list[EndToEnd]) -> str:
+    from .decode import tokens_cell
+
     base = results[0].images_per_s
     lines = [f"{'engine':36s} {'images/s':>8s} {'x ' + results[0].engine:>30s} {'encoder s':>9s}  tokens"]
     for r in results:
-        if r.tokens_equal_to_transformers is not None:
-            tokens = "same" if r.tokens_equal_to_transformers else "DIFFER"
-        elif r.agreement_with_fp32 is not None:
-            tokens = f"{r.agreement_with_fp32:.1%} = fp32"
-        else:
-            tokens = "-"
+        tokens = tokens_cell(r.tokens_equal_to_transformers, r.agreement_with_fp32)
         encoder = "-" if r.encoder_s is None else f"{r.encoder_s:.1f}"
         lines.append(f"{r.engine:36s} {r.images_per_s:8.2f} {r.images_per_s / base:30.2f} {encoder:>9s}  {tokens}")
     return "\n".join(lines)
