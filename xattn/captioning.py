@@ -76,7 +76,7 @@ class Captioner:
     decoding through the xattn engine."""
 
     def __init__(self, model: str | None = None, compile: bool = False, allow_pickle: bool = False,
-                 weights: str = "exact", encoder_weights: str | None = None):
+                 weights: str = "exact"):
         from transformers import AutoImageProcessor, AutoTokenizer
 
         from .models import load
@@ -85,8 +85,6 @@ class Captioner:
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped captioner is not at {path}; pass --model with a checkpoint")
         self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
-        if encoder_weights is not None:
-            self.engine = self.engine.with_weights(weights, encoder_weights=encoder_weights)
         if getattr(self.engine.encoder, "main_input_name", None) != "pixel_values":
             raise ValueError(f"{path} is not an image captioner (no vision encoder)")
         self.tokenizer = AutoTokenizer.from_pretrained(path)

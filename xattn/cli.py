@@ -8,6 +8,8 @@ import sys
 
 
 def _bench(args) -> int:
+    import time
+
     from .bench import chart, compile_cache, end_to_end
     from .bench import decode as bench
 
@@ -34,16 +36,10 @@ def _bench(args) -> int:
         bench.save(results, args.json, **extra)
         print(f"\nwrote {args.json}")
     if args.chart:
-        chart.draw(results, extra.get("end_to_end"), args.chart, title=f"{bench.machine()}, {time_stamp()}")
+        chart.draw(results, extra.get("end_to_end"), args.chart, title=f"{bench.machine()}, {time.strftime('%F')}")
         print(f"wrote {args.chart}")
     fp32_same = all(m.tokens_equal_to_transformers is not False for m in results)
     return 0 if fp32_same else 1
-
-
-def time_stamp() -> str:
-    import time
-
-    return time.strftime("%Y-%m-%d")
 
 
 def _generation_kwargs(args) -> dict:
@@ -240,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for sub in (caption, transcribe):
         sub.add_argument("--weights", default="exact", choices=KINDS, help="the decoder's weight format: exact "
-                         "(transformers' own tensors, identical tokens), packed (fp32 oneDNN copies), bf16 or int8 "
+                         "(transformers' own tensors, identical tokens), packed (fp32 copies), bf16 or int8 "
                          "(faster, small differences; see the README's Performance section)")
         sub.add_argument("--allow-pickle", action="store_true", help="also load pickle-based weights "
                          "(pytorch_model.bin), through torch.load(weights_only=True); only for checkpoints you trust")

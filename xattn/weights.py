@@ -56,9 +56,10 @@ class ExactModule:
 
 
 class _Copy:
-    """A projection holding its own copy of the weights. Under torch.compile it is called through one opaque
-    custom op (`xattn::projection`, which finds it by handle): the compiler cannot trace oneDNN's packed
-    tensors or fbgemm's packed parameters, but compiles everything around them."""
+    """A projection holding its own copy of the weights. Where xattn's kernel applies (`direct`), it is called
+    as it is, compiled or not: a plain op over plain tensors. Otherwise, under torch.compile, the projection is
+    one opaque custom op (`xattn::projection`, which finds it by handle): the compiler cannot trace oneDNN's
+    packed tensors or fbgemm's packed parameters, but compiles everything around them."""
 
     _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
     _handles = itertools.count()
@@ -69,15 +70,19 @@ class _Copy:
         _Copy._live[self.handle] = self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.direct(x)
+        if out is not None:
+            return out
         if torch.compiler.is_compiling():
-            return self.traced(x)
+            return torch.ops.xattn.projection(x, self.handle)
         return self.forward(x)
 
-    def traced(self, x: torch.Tensor) -> torch.Tensor:
-        """What a compiled graph calls: by default the whole projection as one opaque op."""
-        return torch.ops.xattn.projection(x, self.handle)
+    def direct(self, x: torch.Tensor) -> torch.Tensor | None:
+        """xattn's kernel, where it applies to x (few rows, kernels built); None otherwise."""
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The library kernels' product (oneDNN, torch, fbgemm)."""
         raise NotImplementedError
 
 
@@ -105,13 +110,11 @@ class PackedLinear(_Copy):
         self.plain = weight.clone() if kernels.available() else None
         self.bias = None if bias is None else bias.detach().float().clone()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _small(x, self.plain, SMALL_ROWS):
-            return kernels.matvec(x, self.plain, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+    def direct(self, x: torch.Tensor) -> torch.Tensor | None:
+        return kernels.matvec(x, self.plain, self.bias) if _small(x, self.plain, SMALL_ROWS) else None
 
-    def traced(self, x: torch.Tensor) -> torch.Tensor:  # xattn's kernel is a plain op over plain tensors
-        return kernels.matvec(x, self.plain, self.bias) if _small(x, self.plain, SMALL_ROWS) else super().traced(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
 
 class BF16Linear(_Copy):
@@ -144,15 +147,13 @@ class Int8Linear(_Copy):
         self.plain = quantized.int_repr().contiguous() if kernels.available() else None
         self.scales = scales.float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def direct(self, x: torch.Tensor) -> torch.Tensor | None:
         if _small(x, self.plain, INT8_SMALL_ROWS):
             return kernels.matvec_int8(x, self.plain, self.scales, self.bias)
-        return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
+        return None
 
-    def traced(self, x: torch.Tensor) -> torch.Tensor:
-        if _small(x, self.plain, INT8_SMALL_ROWS):
-            return kernels.matvec_int8(x, self.plain, self.scales, self.bias)
-        return super().traced(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
 
 
 _COPIES = {"packed": PackedLinear, "bf16": BF16Linear, "int8": Int8Linear}

@@ -200,11 +200,8 @@ def _report(progress, m: Measurement) -> None:
     if m.error:
         progress(f"{m.row:12s} {m.engine:20s} could not run: {m.error}")
         return
-    extra = ""
-    if m.tokens_equal_to_transformers is not None:
-        extra = "  same tokens" if m.tokens_equal_to_transformers else "  TOKENS DIFFER"
-    if m.agreement_with_fp32 is not None:
-        extra = f"  {m.agreement_with_fp32:.1%} of tokens as fp32"
+    tokens = tokens_cell(m.tokens_equal_to_transformers, m.agreement_with_fp32)
+    extra = "" if tokens == "-" else f"  tokens: {tokens}"
     if m.compile_s is not None:
         extra += f"  (first call {m.compile_s:.0f} s)"
     progress(f"{m.row:12s} {m.engine:20s} {m.ms_per_step:8.1f} ms/step{extra}")
@@ -213,9 +210,9 @@ def _report(progress, m: Measurement) -> None:
 def floor_probe_ms(decoder, rows: int, repeats: int = 5) -> float:
     """The time to stream one decode step's fp32 weights once: a [rows, in] x [in, out] product over each tensor
     the step reads (self-attention, cross-attention query/output, MLP, LM head), nothing else; the faster of
-    torch's matrix product on the tensors as they are and the packed format's products (xattn's kernel at up
-    to 4 rows, oneDNN's above). A decode step in fp32 cannot beat this on the same machine with these kernels;
-    the ratio to it says how much of a step is overhead."""
+    torch's matrix product on the tensors as they are and the packed format's products (xattn's kernel up to
+    weights.SMALL_ROWS rows, oneDNN's above). A decode step in fp32 cannot beat this on the same machine with
+    these kernels; the ratio to it says how much of a step is overhead."""
     plain = _stream_ms(decoder, rows, repeats, packed=False)
     if not torch.backends.mkldnn.is_available():
         return plain

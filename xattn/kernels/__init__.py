@@ -3,8 +3,8 @@
 `matvec(x, weight, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N]. `matvec_int8(x, weight,
 scale, bias=None)`: int8 weight with one scale per row, x quantized to int8 per row inside. The build lands in
 ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the source and the torch version, so later processes load it at
-once. `available()` is False where it cannot be built or run (no g++,
-no AVX2/FMA, not x86-64, XATTN_NO_KERNELS=1); callers then use torch's kernels.
+once. `available()` is False where it cannot be built or run (no g++, no AVX2/FMA, not x86-64,
+XATTN_NO_KERNELS=1); callers then use torch's kernels.
 """
 
 from __future__ import annotations
