@@ -16,6 +16,7 @@ from torch import nn
 
 from . import weights as weight_formats
 from .cache import CrossAttentionCache
+from .fused import FusedLayers
 
 
 def _layer_norm(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
@@ -73,6 +74,9 @@ class GPT2CrossAttentionDecoder(nn.Module):
         fast_gelu = weights != "exact" and config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
         self.activation = _tanh_gelu if fast_gelu else _module_activation
         self.head_projection = None if lm_head is None else weight_formats.linear(lm_head, weights)
+        # packed/int8 at few rows: every block in one kernel call (xattn/fused.py)
+        self.fused = FusedLayers.build(transformer, self.projections, self.scalings, weights,
+                                       config.activation_function)
 
     @staticmethod
     def _block_projections(block: nn.Module, kind: str) -> dict:
@@ -189,6 +193,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
         """
         positions = position.view(1)
         hidden = self.embed(input_ids[:, None], positions)
+        if self.fused is not None and self.fused.applies(input_ids.shape[0], cache):
+            return self.logits(self.fused(hidden[:, 0], cache, position))
         hidden = self.forward_hidden(hidden, cache, positions)
         return self.logits(hidden)[:, 0]
 

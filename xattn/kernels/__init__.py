@@ -1,7 +1,9 @@
-"""xattn's own CPU kernels (matvec.cpp), compiled on first use with the system's g++ against torch's headers.
+"""xattn's own CPU kernels (products.h, matvec.cpp, layers.cpp), compiled on first use with the system's g++
+against torch's headers.
 
 `matvec(x, weight, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N]. `matvec_int8(x, weight,
-scale, bias=None)`: int8 weight with one scale per row, x quantized to int8 per row inside. The build lands in
+scale, bias=None)`: int8 weight with one scale per row, x quantized to int8 per row inside.
+`decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). The build lands in
 ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the source and the torch version, so later processes load it at
 once. `available()` is False where it cannot be built or run (no g++, no AVX2/FMA, not x86-64,
 XATTN_NO_KERNELS=1); callers then use torch's kernels.
@@ -18,7 +20,9 @@ import warnings
 
 import torch
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matvec.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_HERE, name) for name in ("matvec.cpp", "layers.cpp")]
+_HEADERS = [os.path.join(_HERE, "products.h")]
 _state: dict = {}
 
 
@@ -36,6 +40,14 @@ def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] fp32, quantized per row to int8 inside, times int8 weight [N, K] with one scale per row."""
     return torch.ops.xattn_kernels.matvec_int8(x, weight, scale, bias)
+
+
+def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, keys, values, cross_keys, cross_values,
+                   cross_mask, enc_index, position, scalings, eps) -> torch.Tensor:
+    """hidden [B, D] through every GPT-2 block at `position`, writing its K/V into keys/values in place."""
+    return torch.ops.xattn_kernels.decoder_layers(
+        hidden, norm_weight, norm_bias, weights, scales, biases, keys, values, cross_keys, cross_values, cross_mask,
+        enc_index, position, scalings, eps)
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -61,22 +73,24 @@ def _load() -> bool:
 
 
 def _build() -> str:
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in _SOURCES + _HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    key = digest.hexdigest()[:16]
     cache = os.environ.get("XATTN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "xattn"))
-    target = os.path.join(cache, f"matvec-{key}.so")
+    target = os.path.join(cache, f"kernels-{key}.so")
     if os.path.exists(target):
         return target
     os.makedirs(cache, exist_ok=True)
     torch_dir = os.path.dirname(torch.__file__)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: concurrent builds are safe
-        out = os.path.join(tmp, "matvec.so")
+        out = os.path.join(tmp, "kernels.so")
         subprocess.run(
             ["g++", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", os.path.join(torch_dir, "include"),
-             "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"), _SOURCE,
+             "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"), *_SOURCES,
              "-L", os.path.join(torch_dir, "lib"), "-lc10", "-ltorch_cpu", "-o", out],
             check=True, capture_output=True, text=True,
         )
@@ -92,3 +106,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("xattn_kernels::matvec_int8")
     def _(x, weight, scale, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("xattn_kernels::decoder_layers")
+    def _(hidden, *args):
+        return hidden.new_empty(hidden.shape)

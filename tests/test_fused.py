@@ -1,0 +1,133 @@
+"""The fused decode step (every block in one kernel call, xattn/fused.py): the same logits and cache as the
+decoder's own blocks in every cache layout (beams sharing cross K/V, gathered rows, padded encoder positions, no
+cross-attention), transformers' tokens through generate, and the blocks again above its row limit."""
+
+import pytest
+import torch
+
+import xattn
+from conftest import tiny_captioner, tiny_gpt2
+from xattn import kernels
+from xattn.decoder import GPT2CrossAttentionDecoder
+from xattn.fused import MAX_ROWS
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs xattn's kernels (g++, AVX2 + FMA)")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the fused kernel's calls, so a test knows which path ran."""
+    calls = []
+    real = kernels.decoder_layers
+
+    def counted(hidden, *args):
+        calls.append(hidden.shape[0])
+        return real(hidden, *args)
+
+    monkeypatch.setattr(kernels, "decoder_layers", counted)
+    return calls
+
+
+def _caches(decoder, rows, states=None, mask=None, select=None):
+    """Two identical caches (one per path), optionally with rows gathered from a larger one."""
+    caches = []
+    for _ in range(2):
+        cache = decoder.new_cache(rows, 24, states, mask)
+        if select is not None:
+            cache = cache.select_rows(torch.tensor(select))
+        caches.append(cache)
+    return caches
+
+
+def _run_both(decoder, caches, steps=6, seed=0):
+    fused = decoder.fused
+    generator = torch.Generator().manual_seed(seed)
+    rows = caches[0].batch_size
+    for position in range(steps):
+        ids = torch.randint(3, 99, (rows,), generator=generator)
+        at = torch.tensor(position)
+        with_fused = decoder.decode_step(ids, caches[0], at)
+        decoder.fused = None
+        try:
+            with_blocks = decoder.decode_step(ids, caches[1], at)
+        finally:
+            decoder.fused = fused
+        yield with_fused, with_blocks
+
+
+def _layouts():
+    states = torch.randn(2, 17, 32, generator=torch.Generator().manual_seed(9))
+    mask = torch.ones(2, 17, dtype=torch.bool)
+    mask[1, 11:] = False
+    return {
+        "one row per input": dict(rows=2, states=states),
+        "beams share cross K/V": dict(rows=8, states=states),
+        "gathered rows": dict(rows=4, states=states, select=[3, 0, 2]),
+        "padded encoder positions": dict(rows=4, states=states, mask=mask),
+    }
+
+
+@pytest.mark.parametrize("layout", list(_layouts()))
+def test_fused_step_equals_the_blocks_in_every_cache_layout(layout, fused_calls):
+    decoder = xattn.from_hf(tiny_captioner(seed=61), weights="packed").decoder
+    assert decoder.fused is not None
+    caches = _caches(decoder, **_layouts()[layout])
+    for with_fused, with_blocks in _run_both(decoder, caches):
+        assert torch.allclose(with_fused, with_blocks, atol=1e-5, rtol=1e-5)
+    assert fused_calls and len(fused_calls) == 6
+    assert torch.allclose(caches[0].keys, caches[1].keys, atol=1e-5)
+    assert torch.allclose(caches[0].values, caches[1].values, atol=1e-5)
+
+
+def test_fused_step_without_cross_attention():
+    model = tiny_gpt2(seed=62, add_cross_attention=False)
+    decoder = GPT2CrossAttentionDecoder(model.transformer, model.lm_head, weights="packed")
+    assert decoder.fused is not None and not decoder.fused.has_cross
+    caches = _caches(decoder, rows=3)
+    for with_fused, with_blocks in _run_both(decoder, caches):
+        assert torch.allclose(with_fused, with_blocks, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_int8_step_stays_close_to_the_blocks():
+    decoder = xattn.from_hf(tiny_captioner(seed=63), weights="int8").decoder
+    caches = _caches(decoder, rows=1, states=torch.randn(1, 17, 32, generator=torch.Generator().manual_seed(3)))
+    for with_fused, with_blocks in _run_both(decoder, caches):
+        error = (with_fused - with_blocks).abs().max() / with_blocks.abs().max()
+        assert error < 0.02
+
+
+def test_generate_with_the_fused_step_gives_transformers_tokens(fused_calls):
+    model = tiny_captioner(seed=64)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+    packed = xattn.from_hf(model, weights="packed")
+    for kwargs in (dict(max_new_tokens=10, min_new_tokens=10), dict(max_new_tokens=10, num_beams=4)):
+        expected = model.generate(pixel_values=pixels, **kwargs)
+        assert torch.equal(packed.generate(pixel_values=pixels, **kwargs), expected)
+    assert set(fused_calls) == {2, 8}  # greedy: 2 rows; beams: 2 x 4 rows, all fused
+
+
+def test_above_the_row_limit_the_blocks_run(fused_calls):
+    model = tiny_captioner(seed=65)
+    rows = MAX_ROWS["packed"] + 1
+    pixels = torch.randn(rows, 3, 32, 32, generator=torch.Generator().manual_seed(8))
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6)
+    out = xattn.from_hf(model, weights="packed").generate(pixel_values=pixels, **kwargs)
+    assert torch.equal(out, model.generate(pixel_values=pixels, **kwargs))
+    assert fused_calls == []
+
+
+def test_bad_input_to_the_kernel_is_refused():
+    decoder = xattn.from_hf(tiny_captioner(seed=66), weights="packed").decoder
+    cache = decoder.new_cache(1, 8, torch.randn(1, 17, 32))
+    fused = decoder.fused
+    weights, scales, biases = fused._lists[True]
+    args = (fused.norm_weight, fused.norm_bias)
+    rest = (cache.keys, cache.values, cache.cross_keys, cache.cross_values, None, None)
+    hidden = torch.randn(1, 32)
+    with pytest.raises(RuntimeError, match="expected 12 weights"):
+        kernels.decoder_layers(hidden, *args, weights[:-1], scales, biases, *rest, torch.tensor(0), fused.scalings, 1e-5)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.decoder_layers(hidden, *args, weights, scales, biases, *rest, torch.tensor(8), fused.scalings, 1e-5)
+    with pytest.raises(RuntimeError, match="rows or width"):
+        kernels.decoder_layers(torch.randn(2, 32), *args, weights, scales, biases, *rest, torch.tensor(0),
+                               fused.scalings, 1e-5)

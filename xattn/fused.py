@@ -1,0 +1,73 @@
+"""A decode step through all of the decoder's blocks in one call of xattn's kernel (xattn/kernels/layers.cpp).
+
+Used by the "packed" and "int8" weight formats at few rows, where a step is bound by streaming the weights and the
+~30 small torch ops per block (layer norms, attention, residuals) would add ~3 ms of dispatch to it. The same math
+as the decoder's own blocks, in another order of summation: logits differ by rounding only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .cache import CrossAttentionCache
+from .weights import Int8Linear, PackedLinear
+
+# Most decoding rows a fused step takes, per format: above them the products are the libraries' (oneDNN's blocked
+# fp32, fbgemm's int8), which the decoder's own blocks call.
+MAX_ROWS = {"packed": 8, "int8": 8}
+_ORDER = ("qkv", "attn_out", "cross_q", "cross_out", "mlp_in", "mlp_out")
+
+
+class FusedLayers:
+    """The blocks' layer norms stacked [L, 3, D] and their projections' copies, in the kernel's order."""
+
+    def __init__(self, transformer, projections: list[dict], scalings: list[float], kind: str):
+        self.max_rows = MAX_ROWS[kind]
+        blocks = list(transformer.h)
+        self.has_cross = all("cross_q" in proj for proj in projections)
+        norms = []
+        for block in blocks:
+            cross = block.ln_cross_attn if self.has_cross else block.ln_1  # unused slot without cross-attention
+            norms.append([block.ln_1, cross, block.ln_2])
+        self.norm_weight = torch.stack([torch.stack([n.weight.detach() for n in row]) for row in norms]).contiguous()
+        self.norm_bias = torch.stack([torch.stack([n.bias.detach() for n in row]) for row in norms]).contiguous()
+        self.eps = float(blocks[0].ln_1.eps)
+        self.scalings = [float(s) for s in scalings]
+        self._lists = {cross: self._weights(projections, cross) for cross in {False, self.has_cross}}
+
+    @staticmethod
+    def _weights(projections, cross: bool):
+        names = _ORDER if cross else tuple(n for n in _ORDER if not n.startswith("cross"))
+        copies = [proj[name] for proj in projections for name in names]
+        weights = [c.plain for c in copies]
+        scales = [c.scales for c in copies if isinstance(c, Int8Linear)]
+        biases = [c.bias for c in copies]
+        return weights, scales, biases
+
+    @classmethod
+    def build(cls, transformer, projections, scalings, kind: str, activation: str) -> FusedLayers | None:
+        """The fused step where it applies (kernels built, fp32 model, GPT-2's tanh GELU, copies with plain
+        weights and biases, one eps); None otherwise."""
+        if kind not in MAX_ROWS or not kernels.available() or activation not in ("gelu_new", "gelu_pytorch_tanh"):
+            return None
+        if transformer.ln_f.weight.dtype != torch.float32:
+            return None
+        copies = [c for proj in projections for c in proj.values()]
+        if not all(isinstance(c, (PackedLinear, Int8Linear)) and c.plain is not None and c.bias is not None
+                   for c in copies):
+            return None
+        if len({float(block.ln_1.eps) for block in transformer.h}) != 1:
+            return None
+        return cls(transformer, projections, scalings, kind)
+
+    def applies(self, rows: int, cache: CrossAttentionCache) -> bool:
+        return rows <= self.max_rows and (not cache.has_cross or self.has_cross)
+
+    def __call__(self, hidden: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor) -> torch.Tensor:
+        """hidden [B, D] -> [B, D] after every block; writes the step's K/V into the cache."""
+        weights, scales, biases = self._lists[cache.has_cross]
+        return kernels.decoder_layers(
+            hidden, self.norm_weight, self.norm_bias, weights, scales, biases, cache.keys, cache.values,
+            cache.cross_keys, cache.cross_values, cache.cross_mask, cache.enc_index, position, self.scalings, self.eps,
+        )

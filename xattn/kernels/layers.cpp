@@ -1,0 +1,217 @@
+// One decode step through every GPT-2 block in one call: xattn_kernels::decoder_layers.
+//
+// At batch 1-8 a step's projections stream ~550 MB of weights, and the rest of the block (layer norms, attention
+// over the cache and the encoder's K/V, residuals, GELU: ~30 small torch ops per layer) costs ~3 ms of dispatch on
+// top. Here that rest is plain loops between the products of products.h, so the step is the weight stream plus
+// the attention's own reads.
+//
+// Per layer: h += attn_out(self_attention(qkv(ln_1(h)))); h += cross_out(cross_attention(cross_q(ln_cross(h))));
+// h += mlp_out(gelu_tanh(mlp_in(ln_2(h)))). Layouts are the decoder's (xattn/cache.py): self K/V
+// [L, B, H, T_max, hd] written at `position`; cross K/V [L, B_enc, H, S, hd] read by row b at enc_index[b] or,
+// without it, at b / (B / B_enc); cross_mask [B_enc, S] true where an encoder position is real.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "products.h"
+
+namespace {
+
+using xattn::Store;
+using xattn::Weight;
+
+void layer_norm(const float* x, int64_t rows, int64_t D, const float* gamma, const float* beta, double eps, float* y) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xm = x + m * D;
+    double mean = 0.0, var = 0.0;
+    for (int64_t d = 0; d < D; ++d) mean += xm[d];
+    mean /= D;
+    for (int64_t d = 0; d < D; ++d) var += (xm[d] - mean) * (xm[d] - mean);
+    const float inv = static_cast<float>(1.0 / std::sqrt(var / D + eps));
+    const float mu = static_cast<float>(mean);
+    for (int64_t d = 0; d < D; ++d) y[m * D + d] = (xm[d] - mu) * inv * gamma[d] + beta[d];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = xattn::hsum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// out = sum_t p[t] v[t] / total over the positions with p[t] > 0 (masked ones carry 0).
+void weighted_sum(const float* p, const float* v, int64_t positions, int64_t hd, float total, float* out) {
+  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+  for (int64_t t = 0; t < positions; ++t) {
+    if (p[t] == 0.f) continue;
+    const __m256 w = _mm256_set1_ps(p[t]);
+    int64_t i = 0;
+    for (; i + 8 <= hd; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + t * hd + i), _mm256_loadu_ps(out + i)));
+    for (; i < hd; ++i) out[i] += p[t] * v[t * hd + i];
+  }
+  const float inv = 1.f / total;
+  for (int64_t i = 0; i < hd; ++i) out[i] *= inv;
+}
+
+// softmax(q K^T * scale) V for one query row of one head; keys/values [positions, hd]; mask may be null.
+void attend(const float* q, const float* keys, const float* values, int64_t positions, int64_t hd, float scale,
+            const bool* mask, std::vector<float>& scores, float* out) {
+  scores.resize(positions);
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < positions; ++t) {
+    if (mask && !mask[t]) continue;
+    scores[t] = dot(q, keys + t * hd, hd) * scale;
+    peak = std::max(peak, scores[t]);
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < positions; ++t) {
+    scores[t] = (mask && !mask[t]) ? 0.f : std::exp(scores[t] - peak);
+    total += scores[t];
+  }
+  weighted_sum(scores.data(), values, positions, hd, total, out);
+}
+
+Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, size_t i) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "projection weights must be contiguous [N, K] tensors");
+  const bool int8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || w.scalar_type() == at::kFloat, "projection weights must be float32 or int8");
+  TORCH_CHECK(!int8 || i < scales.size(), "int8 weights need their scales");
+  return Weight{w.data_ptr(), int8 ? scales[i].data_ptr<float>() : nullptr,
+                i < biases.size() && biases[i].defined() ? biases[i].data_ptr<float>() : nullptr, w.size(0),
+                w.size(1)};
+}
+
+at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
+                          at::TensorList weights, at::TensorList scales, at::TensorList biases, const at::Tensor& keys,
+                          const at::Tensor& values, const c10::optional<at::Tensor>& cross_keys,
+                          const c10::optional<at::Tensor>& cross_values, const c10::optional<at::Tensor>& cross_mask,
+                          const c10::optional<at::Tensor>& enc_index, const at::Tensor& position,
+                          at::ArrayRef<double> scalings, double eps) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.device().is_cpu(),
+              "hidden must be a float32 CPU [B, D] tensor");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && keys.sizes() == values.sizes(),
+              "self-attention K/V must be contiguous [L, B, H, T_max, hd] tensors");
+  const int64_t L = keys.size(0), B = hidden.size(0), D = hidden.size(1), H = keys.size(2), T = keys.size(3),
+                hd = keys.size(4);
+  TORCH_CHECK(keys.size(1) == B && H * hd == D, "the cache does not match hidden's rows or width");
+  const bool has_cross = cross_keys.has_value();
+  const int64_t per_layer = has_cross ? 6 : 4;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * L, "expected ", per_layer * L, " weights");
+  TORCH_CHECK(norm_weight.is_contiguous() && norm_bias.is_contiguous() && norm_weight.numel() == L * 3 * D &&
+                  norm_bias.numel() == L * 3 * D,
+              "norm_weight/norm_bias must be contiguous [L, 3, D]");
+  TORCH_CHECK(static_cast<int64_t>(scalings.size()) == L, "one scaling per layer");
+  const int64_t p = position.item<int64_t>();
+  TORCH_CHECK(p >= 0 && p < T, "position ", p, " is outside the cache (", T, " positions)");
+
+  int64_t B_enc = 1, S = 0;
+  const float *ck = nullptr, *cv = nullptr;
+  const bool* cmask = nullptr;
+  std::vector<int64_t> enc_row(B);
+  if (has_cross) {
+    TORCH_CHECK(cross_values.has_value() && cross_keys->is_contiguous() && cross_values->is_contiguous() &&
+                    cross_keys->dim() == 5 && cross_keys->sizes() == cross_values->sizes() &&
+                    cross_keys->size(0) == L && cross_keys->size(2) == H && cross_keys->size(4) == hd,
+                "cross K/V must be contiguous [L, B_enc, H, S, hd] tensors");
+    B_enc = cross_keys->size(1);
+    S = cross_keys->size(3);
+    ck = cross_keys->data_ptr<float>();
+    cv = cross_values->data_ptr<float>();
+    if (cross_mask.has_value()) {
+      TORCH_CHECK(cross_mask->scalar_type() == at::kBool && cross_mask->is_contiguous() &&
+                      cross_mask->numel() == B_enc * S,
+                  "cross_mask must be a contiguous bool [B_enc, S] tensor");
+      cmask = cross_mask->data_ptr<bool>();
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      enc_row[b] = enc_index.has_value() ? enc_index->data_ptr<int64_t>()[b] : b / (B / B_enc);
+      TORCH_CHECK(enc_row[b] >= 0 && enc_row[b] < B_enc, "encoder row out of range");
+    }
+  }
+
+  at::Tensor out = hidden.contiguous().clone();
+  float* h = out.data_ptr<float>();
+  float* kc = keys.data_ptr<float>();
+  float* vc = values.data_ptr<float>();
+  const float* gammas = norm_weight.data_ptr<float>();
+  const float* betas = norm_bias.data_ptr<float>();
+  std::vector<float> x(B * D), attn(B * D), qkv(B * 3 * D), inner;
+
+  // attention of every (row, head) pair, in parallel: query q_of(b) + head * hd, output attn[b] + head * hd
+  auto attention = [&](auto q_of, auto source) {
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / H, head = i % H;
+        source(b, head, q_of(b) + head * hd, scores, attn.data() + b * D + head * hd);
+      }
+    });
+  };
+
+  for (int64_t l = 0; l < L; ++l) {
+    const float* gamma = gammas + l * 3 * D;
+    const float* beta = betas + l * 3 * D;
+    const float scale = static_cast<float>(scalings[l]);
+    int64_t next = l * per_layer;
+    auto w = [&]() {
+      const int64_t i = next++;
+      return weight_of(weights[i], scales, biases, i);
+    };
+
+    // self-attention: K/V of this position into the cache, then attend over positions 0..p
+    layer_norm(h, B, D, gamma, beta, eps, x.data());
+    const Weight qkv_w = w();
+    TORCH_CHECK(qkv_w.N == 3 * D && qkv_w.K == D, "layer ", l, ": qkv weight must be [3D, D]");
+    xattn::product(x.data(), B, qkv_w, qkv.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t head = 0; head < H; ++head) {
+        const int64_t at = (((l * B + b) * H + head) * T + p) * hd;
+        std::copy_n(qkv.data() + b * 3 * D + D + head * hd, hd, kc + at);
+        std::copy_n(qkv.data() + b * 3 * D + 2 * D + head * hd, hd, vc + at);
+      }
+    attention([&](int64_t b) { return qkv.data() + b * 3 * D; },
+              [&](int64_t b, int64_t head, const float* q, std::vector<float>& scores, float* o) {
+                const int64_t at = ((l * B + b) * H + head) * T * hd;
+                attend(q, kc + at, vc + at, p + 1, hd, scale, nullptr, scores, o);
+              });
+    xattn::product(attn.data(), B, w(), h, Store::kAdd);
+
+    if (has_cross) {
+      layer_norm(h, B, D, gamma + D, beta + D, eps, x.data());
+      xattn::product(x.data(), B, w(), qkv.data());  // the cross query, [B, D] in qkv's buffer
+      attention([&](int64_t b) { return qkv.data() + b * D; },
+                [&](int64_t b, int64_t head, const float* q, std::vector<float>& scores, float* o) {
+                  const int64_t e = enc_row[b];
+                  const int64_t at = ((l * B_enc + e) * H + head) * S * hd;
+                  attend(q, ck + at, cv + at, S, hd, scale, cmask ? cmask + e * S : nullptr, scores, o);
+                });
+      xattn::product(attn.data(), B, w(), h, Store::kAdd);
+    }
+
+    layer_norm(h, B, D, gamma + 2 * D, beta + 2 * D, eps, x.data());
+    const Weight mlp_in = w();
+    inner.resize(B * mlp_in.N);
+    xattn::product(x.data(), B, mlp_in, inner.data(), Store::kGeluTanh);
+    xattn::product(inner.data(), B, w(), h, Store::kAdd);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
+  m.def(
+      "decoder_layers(Tensor hidden, Tensor norm_weight, Tensor norm_bias, Tensor[] weights, Tensor[] scales, "
+      "Tensor[] biases, Tensor(a!) keys, Tensor(b!) values, Tensor? cross_keys, Tensor? cross_values, "
+      "Tensor? cross_mask, Tensor? enc_index, Tensor position, float[] scalings, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
