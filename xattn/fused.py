@@ -15,7 +15,7 @@ from .weights import Int8Linear, PackedLinear
 
 # Most decoding rows a fused step takes, per format: above them the products are the libraries' (oneDNN's blocked
 # fp32, fbgemm's int8), which the decoder's own blocks call.
-MAX_ROWS = {"packed": 8, "int8": 8}
+MAX_ROWS = {"packed": 64, "int8": 8}
 _ORDER = ("qkv", "attn_out", "cross_q", "cross_out", "mlp_in", "mlp_out")
 
 

@@ -199,7 +199,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
     layer_norm(h, B, D, gamma + 2 * D, beta + 2 * D, eps, x.data());
     const Weight mlp_in = w();
     inner.resize(B * mlp_in.N);
-    xattn::product(x.data(), B, mlp_in, inner.data(), Store::kGeluTanh);
+    xattn::product(x.data(), B, mlp_in, inner.data());
+    at::Tensor activations = at::from_blob(inner.data(), {B, mlp_in.N}, hidden.options());
+    at::gelu_(activations, "tanh");  // torch's own vectorized GELU, as the decoder's blocks run it
     xattn::product(inner.data(), B, w(), h, Store::kAdd);
   }
   return out;

@@ -19,11 +19,9 @@
 namespace xattn {
 
 constexpr int64_t kRows = 8;  // weight rows per block
-constexpr int64_t kMaxM = 4;  // fp32 activation rows handled per pass over a block
 
-// How a product's result is stored: y = p + bias; y += p + bias (a residual connection); y = gelu(p + bias)
-// with GPT-2's tanh form (gelu_new).
-enum class Store { kSet, kAdd, kGeluTanh };
+// How a product's result is stored: y = p + bias, or y += p + bias (a residual connection).
+enum class Store { kSet, kAdd };
 
 struct Weight {
   const void* data;    // [N, K] float or int8
@@ -32,17 +30,11 @@ struct Weight {
   int64_t N, K;
 };
 
-inline float gelu_tanh(float v) {
-  const float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
-  return 0.5f * v * (1.f + std::tanh(kAlpha * (v + 0.044715f * v * v * v)));
-}
-
 inline void store(float* y, float value, Store how) {
-  switch (how) {
-    case Store::kSet: *y = value; break;
-    case Store::kAdd: *y += value; break;
-    case Store::kGeluTanh: *y = gelu_tanh(value); break;
-  }
+  if (how == Store::kAdd)
+    *y += value;
+  else
+    *y = value;
 }
 
 inline float hsum(__m256 v) {
@@ -59,21 +51,24 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// y[m, n] (+)= sum_k x[m, k] w[n, k] + bias[n], for m < M (M <= kMaxM), n in [n0, n0 + rows)
-template <int M>
+// y[m, n] (+)= sum_k x[m, k] w[n, k] + bias[n], for m < M, n in [n0, n0 + rows), rows <= R, prefetching one cache
+// line of each of the next R weight rows as it goes. R = 8 at up to 4 activation rows (bandwidth-bound: more
+// streams in flight; spills are cheap there); R = 4 with M <= 3 above (compute-bound: 12 accumulators, 3 x vectors
+// and one w vector fit the 16 AVX2 registers).
+template <int M, int R>
 void block_fp32(const float* x, int64_t K, const float* w, int64_t n0, int64_t rows, const float* bias, float* y,
-                int64_t N, Store how) {
-  __m256 acc[M][kRows];
+                int64_t N, Store how, bool prefetch) {
+  __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t k8 = K - K % 8;
   const float* base = w + n0 * K;
   for (int64_t k = 0; k < k8; k += 8) {
-    if (k % 16 == 0)  // one cache line of each row of the next block
-      for (int r = 0; r < kRows; ++r) _mm_prefetch(reinterpret_cast<const char*>(base + (kRows + r) * K + k), _MM_HINT_T0);
+    if (prefetch && k % 16 == 0)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(base + (R + r) * K + k), _MM_HINT_T0);
     __m256 xv[M];
     for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       if (r >= rows) break;
       const __m256 wv = _mm256_loadu_ps(base + r * K + k);
       for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(xv[m], wv, acc[m][r]);
@@ -136,14 +131,24 @@ inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, S
   at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kRows, rows = std::min(kRows, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
-        const float* xm = x + m0 * K;
-        float* ym = y + m0 * N;
-        switch (std::min(kMaxM, M - m0)) {
-          case 1: block_fp32<1>(xm, K, weight, n0, rows, w.bias, ym, N, how); break;
-          case 2: block_fp32<2>(xm, K, weight, n0, rows, w.bias, ym, N, how); break;
-          case 3: block_fp32<3>(xm, K, weight, n0, rows, w.bias, ym, N, how); break;
-          default: block_fp32<4>(xm, K, weight, n0, rows, w.bias, ym, N, how); break;
+      switch (M) {
+        case 1: block_fp32<1, 8>(x, K, weight, n0, rows, w.bias, y, N, how, true); continue;
+        case 2: block_fp32<2, 8>(x, K, weight, n0, rows, w.bias, y, N, how, true); continue;
+        case 3: block_fp32<3, 8>(x, K, weight, n0, rows, w.bias, y, N, how, true); continue;
+        case 4: block_fp32<4, 8>(x, K, weight, n0, rows, w.bias, y, N, how, true); continue;
+      }
+      for (int64_t half = 0; half < rows; half += 4) {
+        const int64_t n = n0 + half, r = std::min<int64_t>(4, rows - half);
+        for (int64_t m0 = 0, chunk; m0 < M; m0 += chunk) {
+          chunk = std::min<int64_t>(3, M - m0);
+          const float* xm = x + m0 * K;
+          float* ym = y + m0 * N;
+          const bool first = m0 == 0;  // later passes find the block in cache
+          switch (chunk) {
+            case 1: block_fp32<1, 4>(xm, K, weight, n, r, w.bias, ym, N, how, first); break;
+            case 2: block_fp32<2, 4>(xm, K, weight, n, r, w.bias, ym, N, how, first); break;
+            default: block_fp32<3, 4>(xm, K, weight, n, r, w.bias, ym, N, how, first); break;
+          }
         }
       }
     }
