@@ -90,8 +90,11 @@ class CrossAttentionCache:
         and their layout are untouched.
         """
         valid = self.length
-        self.keys[:, :, :, :valid].copy_(self.keys[:, :, :, :valid].index_select(1, row_index))
-        self.values[:, :, :, :valid].copy_(self.values[:, :, :, :valid].index_select(1, row_index))
+        # layer by layer, rows on dim 0: torch gathers whole row blocks there (over dim 1 of the 5-d tensor it
+        # copies element by element, ~10x slower: 40 ms a step at 32 rows)
+        for layer in range(self.num_layers):
+            for tensor in (self.keys[layer, :, :, :valid], self.values[layer, :, :, :valid]):
+                tensor.copy_(tensor.index_select(0, row_index))
 
     def select_rows(self, row_index: torch.Tensor) -> CrossAttentionCache:
         """A cache holding only the given rows (any subset, any order); cross K/V are shared, not copied."""

@@ -24,59 +24,135 @@ namespace {
 using xattn::Store;
 using xattn::Weight;
 
+// Rows in parallel (from 4 rows on); float sums in 8 lanes, the variance from a second pass as torch does.
 void layer_norm(const float* x, int64_t rows, int64_t D, const float* gamma, const float* beta, double eps, float* y) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* xm = x + m * D;
-    double mean = 0.0, var = 0.0;
-    for (int64_t d = 0; d < D; ++d) mean += xm[d];
-    mean /= D;
-    for (int64_t d = 0; d < D; ++d) var += (xm[d] - mean) * (xm[d] - mean);
-    const float inv = static_cast<float>(1.0 / std::sqrt(var / D + eps));
-    const float mu = static_cast<float>(mean);
-    for (int64_t d = 0; d < D; ++d) y[m * D + d] = (xm[d] - mu) * inv * gamma[d] + beta[d];
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xm = x + m * D;
+      const int64_t d8 = D - D % 8;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < d8; d += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(xm + d));
+      float sum = xattn::hsum(acc);
+      for (int64_t d = d8; d < D; ++d) sum += xm[d];
+      const float mean = sum / D;
+      const __m256 mu = _mm256_set1_ps(mean);
+      acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < d8; d += 8) {
+        const __m256 c = _mm256_sub_ps(_mm256_loadu_ps(xm + d), mu);
+        acc = _mm256_fmadd_ps(c, c, acc);
+      }
+      float var = xattn::hsum(acc);
+      for (int64_t d = d8; d < D; ++d) var += (xm[d] - mean) * (xm[d] - mean);
+      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(var) / D + eps));
+      for (int64_t d = 0; d < D; ++d) y[m * D + d] = (xm[d] - mean) * inv * gamma[d] + beta[d];
+    }
+  });
+}
+
+// scores[t] = q . keys[t] for t < positions, four keys at a time (four independent FMA chains).
+void dots(const float* q, const float* keys, int64_t positions, int64_t hd, float* scores) {
+  const int64_t h8 = hd - hd % 8;
+  int64_t t = 0;
+  for (; t + 4 <= positions; t += 4) {
+    const float* k = keys + t * hd;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < h8; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + i), a3);
+    }
+    // lanes: (a0 a0 a1 a1 | a0 a0 a1 a1) -> (a0 a1 a2 a3 | a0 a1 a2 a3), then the two halves added
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, four);
+    for (int j = 0; j < 4; ++j) {
+      for (int64_t i = h8; i < hd; ++i) sums[j] += q[i] * k[j * hd + i];
+      scores[t + j] = sums[j];
+    }
+  }
+  for (; t < positions; ++t) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < hd; ++i) sum += q[i] * keys[t * hd + i];
+    scores[t] = sum;
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = xattn::hsum(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-// out = sum_t p[t] v[t] / total over the positions with p[t] > 0 (masked ones carry 0).
-void weighted_sum(const float* p, const float* v, int64_t positions, int64_t hd, float total, float* out) {
-  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+// out = sum_t p[t] v[t] * inv, with hd = 8 V held in V registers.
+template <int V>
+void weighted_sum_regs(const float* p, const float* v, int64_t positions, float inv, float* out) {
+  __m256 acc[V];
+  for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t t = 0; t < positions; ++t) {
-    if (p[t] == 0.f) continue;
+    if (p[t] == 0.f) continue;  // masked
     const __m256 w = _mm256_set1_ps(p[t]);
-    int64_t i = 0;
-    for (; i + 8 <= hd; i += 8)
-      _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + t * hd + i), _mm256_loadu_ps(out + i)));
-    for (; i < hd; ++i) out[i] += p[t] * v[t * hd + i];
+    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + t * 8 * V + 8 * i), acc[i]);
   }
+  const __m256 scale = _mm256_set1_ps(inv);
+  for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], scale));
+}
+
+void weighted_sum(const float* p, const float* v, int64_t positions, int64_t hd, float total, float* out) {
   const float inv = 1.f / total;
+  switch (hd) {
+    case 8: return weighted_sum_regs<1>(p, v, positions, inv, out);
+    case 16: return weighted_sum_regs<2>(p, v, positions, inv, out);
+    case 32: return weighted_sum_regs<4>(p, v, positions, inv, out);
+    case 64: return weighted_sum_regs<8>(p, v, positions, inv, out);
+  }
+  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+  for (int64_t t = 0; t < positions; ++t)
+    for (int64_t i = 0; i < hd; ++i) out[i] += p[t] * v[t * hd + i];
   for (int64_t i = 0; i < hd; ++i) out[i] *= inv;
+}
+
+// e^x for x <= 0 in 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-5 polynomial (relative error
+// ~1e-7, as expf), 2^n put into the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// scores[t] = e^(scores[t] - peak), 0 where masked; returns their sum.
+float exponentiate(float* scores, int64_t positions, float peak, const bool* mask) {
+  const __m256 top = _mm256_set1_ps(peak);
+  int64_t t = 0;
+  for (; t + 8 <= positions; t += 8)
+    _mm256_storeu_ps(scores + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), top)));
+  for (; t < positions; ++t) scores[t] = std::exp(scores[t] - peak);
+  float total = 0.f;
+  for (t = 0; t < positions; ++t) {
+    if (mask && !mask[t]) scores[t] = 0.f;
+    total += scores[t];
+  }
+  return total;
 }
 
 // softmax(q K^T * scale) V for one query row of one head; keys/values [positions, hd]; mask may be null.
 void attend(const float* q, const float* keys, const float* values, int64_t positions, int64_t hd, float scale,
             const bool* mask, std::vector<float>& scores, float* out) {
   scores.resize(positions);
+  dots(q, keys, positions, hd, scores.data());
   float peak = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < positions; ++t) {
     if (mask && !mask[t]) continue;
-    scores[t] = dot(q, keys + t * hd, hd) * scale;
+    scores[t] *= scale;
     peak = std::max(peak, scores[t]);
   }
-  float total = 0.f;
-  for (int64_t t = 0; t < positions; ++t) {
-    scores[t] = (mask && !mask[t]) ? 0.f : std::exp(scores[t] - peak);
-    total += scores[t];
-  }
-  weighted_sum(scores.data(), values, positions, hd, total, out);
+  weighted_sum(scores.data(), values, positions, hd, exponentiate(scores.data(), positions, peak, mask), out);
 }
 
 Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, size_t i) {
