@@ -15,7 +15,7 @@ from .weights import Int8Linear, PackedLinear
 
 # Most decoding rows a fused step takes, per format: above them the products are the libraries' (oneDNN's blocked
 # fp32, fbgemm's int8), which the decoder's own blocks call.
-MAX_ROWS = {"packed": 64, "int8": 8}
+MAX_ROWS = {"packed": 64, "int8": 64}
 _ORDER = ("qkv", "attn_out", "cross_q", "cross_out", "mlp_in", "mlp_out")
 
 
@@ -41,9 +41,9 @@ class FusedLayers:
         names = _ORDER if cross else tuple(n for n in _ORDER if not n.startswith("cross"))
         copies = [proj[name] for proj in projections for name in names]
         weights = [c.plain for c in copies]
-        scales = [c.scales for c in copies if isinstance(c, Int8Linear)]
+        int8 = [c for c in copies if isinstance(c, Int8Linear)]
         biases = [c.bias for c in copies]
-        return weights, scales, biases
+        return weights, [c.scales for c in int8], biases, [c.row_sums for c in int8]
 
     @classmethod
     def build(cls, transformer, projections, scalings, kind: str, activation: str) -> FusedLayers | None:
@@ -66,8 +66,8 @@ class FusedLayers:
 
     def __call__(self, hidden: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor) -> torch.Tensor:
         """hidden [B, D] -> [B, D] after every block; writes the step's K/V into the cache."""
-        weights, scales, biases = self._lists[cache.has_cross]
+        weights, scales, biases, row_sums = self._lists[cache.has_cross]
         return kernels.decoder_layers(
-            hidden, self.norm_weight, self.norm_bias, weights, scales, biases, cache.keys, cache.values,
+            hidden, self.norm_weight, self.norm_bias, weights, scales, biases, row_sums, cache.keys, cache.values,
             cache.cross_keys, cache.cross_values, cache.cross_mask, cache.enc_index, position, self.scalings, self.eps,
         )

@@ -36,18 +36,19 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.xattn_kernels.matvec(x, weight, bias)
 
 
-def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32, quantized per row to int8 inside, times int8 weight [N, K] with one scale per row."""
-    return torch.ops.xattn_kernels.matvec_int8(x, weight, scale, bias)
+def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                row_sum: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32, quantized per row to int8 inside, times int8 weight [N, K] with one scale per row.
+    With row_sum (the weight rows' int32 sums), 4+ rows are quantized to 7 bits and take the faster product."""
+    return torch.ops.xattn_kernels.matvec_int8(x, weight, scale, bias, row_sum)
 
 
-def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, keys, values, cross_keys, cross_values,
-                   cross_mask, enc_index, position, scalings, eps) -> torch.Tensor:
+def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, row_sums, keys, values, cross_keys,
+                   cross_values, cross_mask, enc_index, position, scalings, eps) -> torch.Tensor:
     """hidden [B, D] through every GPT-2 block at `position`, writing its K/V into keys/values in place."""
     return torch.ops.xattn_kernels.decoder_layers(
-        hidden, norm_weight, norm_bias, weights, scales, biases, keys, values, cross_keys, cross_values, cross_mask,
-        enc_index, position, scalings, eps)
+        hidden, norm_weight, norm_bias, weights, scales, biases, row_sums, keys, values, cross_keys, cross_values,
+        cross_mask, enc_index, position, scalings, eps)
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -104,7 +105,7 @@ def _register_fake() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("xattn_kernels::matvec_int8")
-    def _(x, weight, scale, bias):
+    def _(x, weight, scale, bias, row_sum=None):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("xattn_kernels::decoder_layers")

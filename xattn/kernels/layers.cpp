@@ -155,18 +155,20 @@ void attend(const float* q, const float* keys, const float* values, int64_t posi
   weighted_sum(scores.data(), values, positions, hd, exponentiate(scores.data(), positions, peak, mask), out);
 }
 
-Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, size_t i) {
+Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, at::TensorList row_sums,
+                 size_t i) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "projection weights must be contiguous [N, K] tensors");
   const bool int8 = w.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || w.scalar_type() == at::kFloat, "projection weights must be float32 or int8");
   TORCH_CHECK(!int8 || i < scales.size(), "int8 weights need their scales");
   return Weight{w.data_ptr(), int8 ? scales[i].data_ptr<float>() : nullptr,
                 i < biases.size() && biases[i].defined() ? biases[i].data_ptr<float>() : nullptr, w.size(0),
-                w.size(1)};
+                w.size(1), int8 && i < row_sums.size() ? row_sums[i].data_ptr<int32_t>() : nullptr};
 }
 
 at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
-                          at::TensorList weights, at::TensorList scales, at::TensorList biases, const at::Tensor& keys,
+                          at::TensorList weights, at::TensorList scales, at::TensorList biases,
+                          at::TensorList row_sums, const at::Tensor& keys,
                           const at::Tensor& values, const c10::optional<at::Tensor>& cross_keys,
                           const c10::optional<at::Tensor>& cross_values, const c10::optional<at::Tensor>& cross_mask,
                           const c10::optional<at::Tensor>& enc_index, const at::Tensor& position,
@@ -239,7 +241,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
     int64_t next = l * per_layer;
     auto w = [&]() {
       const int64_t i = next++;
-      return weight_of(weights[i], scales, biases, i);
+      return weight_of(weights[i], scales, biases, row_sums, i);
     };
 
     // self-attention: K/V of this position into the cache, then attend over positions 0..p
@@ -288,7 +290,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor norm_weight, Tensor norm_bias, Tensor[] weights, Tensor[] scales, "
-      "Tensor[] biases, Tensor(a!) keys, Tensor(b!) values, Tensor? cross_keys, Tensor? cross_values, "
+      "Tensor[] biases, Tensor[] row_sums, Tensor(a!) keys, Tensor(b!) values, Tensor? cross_keys, Tensor? cross_values, "
       "Tensor? cross_mask, Tensor? enc_index, Tensor position, float[] scalings, float eps) -> Tensor");
 }
 
