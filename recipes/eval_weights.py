@@ -1,6 +1,7 @@
 """Weight formats on the shipped captioner: how often a caption decoded with packed fp32, bf16 or int8
 weights equals the exact fp32 one, on held-out scenes (the test split's seed, 3; never seen in training), in
-batches of 100 (oneDNN's and fbgemm's products) and one image at a time (xattn's matrix-vector kernels).
+batches of 100 (the decoder's blocks with oneDNN's and fbgemm's products), of 16 (xattn's fused step; int8 with
+7-bit activations) and one image at a time (the fused step; int8 with 8-bit activations).
 
     python recipes/eval_weights.py --scenes 1000 --json data/models/scene-captioner/eval-weights.json
 """
@@ -18,7 +19,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint (default: the shipped scene captioner)")
     parser.add_argument("--scenes", type=int, default=1000, help="held-out scenes 0..N-1 of seed 3")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[100, 1])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[100, 16, 1])
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
