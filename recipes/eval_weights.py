@@ -1,7 +1,7 @@
 """Weight formats on the shipped captioner: how often a caption decoded with packed fp32, bf16 or int8
 weights equals the exact fp32 one, on held-out scenes (the test split's seed, 3; never seen in training), in
-batches of 100 (the decoder's blocks with oneDNN's and fbgemm's products), of 16 (xattn's fused step; int8 with
-7-bit activations) and one image at a time (the fused step; int8 with 8-bit activations).
+batches of 100 (the decoder's blocks with oneDNN's and fbgemm's products), of 16 (xattn's fused step with xattn's
+fp32 and fbgemm's int8 products) and one image at a time (the fused step with xattn's fp32 and int8 products).
 
     python recipes/eval_weights.py --scenes 1000 --json data/models/scene-captioner/eval-weights.json
 """

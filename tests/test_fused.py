@@ -88,7 +88,7 @@ def test_fused_step_without_cross_attention():
         assert torch.allclose(with_fused, with_blocks, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 20])  # 8-bit activations below 16 rows, 7-bit from 16
+@pytest.mark.parametrize("rows", [1, 4, 8, 20])  # xattn's int8 products up to 4 rows, fbgemm's from 5
 def test_fused_int8_step_stays_close_to_the_blocks(rows, fused_calls):
     decoder = xattn.from_hf(tiny_captioner(seed=63), weights="int8").decoder
     states = torch.randn(rows // 4 or 1, 17, 32, generator=torch.Generator().manual_seed(3))
@@ -123,14 +123,14 @@ def test_bad_input_to_the_kernel_is_refused():
     decoder = xattn.from_hf(tiny_captioner(seed=66), weights="packed").decoder
     cache = decoder.new_cache(1, 8, torch.randn(1, 17, 32))
     fused = decoder.fused
-    weights, scales, biases, row_sums = fused._lists[True]
+    weights, scales, biases, packed = fused._lists[True]
     args = (fused.norm_weight, fused.norm_bias)
     rest = (cache.keys, cache.values, cache.cross_keys, cache.cross_values, None, None)
     hidden = torch.randn(1, 32)
     with pytest.raises(RuntimeError, match="expected 12 weights"):
-        kernels.decoder_layers(hidden, *args, weights[:-1], scales, biases, row_sums, *rest, torch.tensor(0), fused.scalings, 1e-5)
+        kernels.decoder_layers(hidden, *args, weights[:-1], scales, biases, packed, *rest, torch.tensor(0), fused.scalings, 1e-5)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        kernels.decoder_layers(hidden, *args, weights, scales, biases, row_sums, *rest, torch.tensor(8), fused.scalings, 1e-5)
+        kernels.decoder_layers(hidden, *args, weights, scales, biases, packed, *rest, torch.tensor(8), fused.scalings, 1e-5)
     with pytest.raises(RuntimeError, match="rows or width"):
-        kernels.decoder_layers(torch.randn(2, 32), *args, weights, scales, biases, row_sums, *rest, torch.tensor(0),
+        kernels.decoder_layers(torch.randn(2, 32), *args, weights, scales, biases, packed, *rest, torch.tensor(0),
                                fused.scalings, 1e-5)

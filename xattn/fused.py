@@ -16,6 +16,7 @@ from .weights import Int8Linear, PackedLinear
 # Most decoding rows a fused step takes, per format: above them the products are the libraries' (oneDNN's blocked
 # fp32, fbgemm's int8), which the decoder's own blocks call.
 MAX_ROWS = {"packed": 64, "int8": 64}
+FBGEMM_ROWS = 5  # int8 from this many rows: fbgemm's products inside the fused step (1.4x xattn's at 8 rows)
 _ORDER = ("qkv", "attn_out", "cross_q", "cross_out", "mlp_in", "mlp_out")
 
 
@@ -43,7 +44,8 @@ class FusedLayers:
         weights = [c.plain for c in copies]
         int8 = [c for c in copies if isinstance(c, Int8Linear)]
         biases = [c.bias for c in copies]
-        return weights, [c.scales for c in int8], biases, [c.row_sums for c in int8]
+        packed = [c.packed for c in int8] if len(int8) == len(copies) else []
+        return weights, [c.scales for c in int8], biases, packed
 
     @classmethod
     def build(cls, transformer, projections, scalings, kind: str, activation: str) -> FusedLayers | None:
@@ -66,8 +68,11 @@ class FusedLayers:
 
     def __call__(self, hidden: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor) -> torch.Tensor:
         """hidden [B, D] -> [B, D] after every block; writes the step's K/V into the cache."""
-        weights, scales, biases, row_sums = self._lists[cache.has_cross]
+        weights, scales, biases, packed = self._lists[cache.has_cross]
+        if hidden.shape[0] < FBGEMM_ROWS or torch.compiler.is_compiling():  # the compiler cannot trace fbgemm's
+            packed = []
         return kernels.decoder_layers(
-            hidden, self.norm_weight, self.norm_bias, weights, scales, biases, row_sums, cache.keys, cache.values,
+            hidden, self.norm_weight, self.norm_bias, weights, scales, biases, packed, cache.keys,
+            cache.values,
             cache.cross_keys, cache.cross_values, cache.cross_mask, cache.enc_index, position, self.scalings, self.eps,
         )

@@ -14,7 +14,7 @@ format of those weights sets its speed.
   dynamic linear (7-bit per tensor).
 
 Decode steps of "packed" and "int8" at up to 64 rows run every block in one kernel call (xattn/fused.py), with
-xattn's products at every row count there (int8: 7-bit per row from 16 rows).
+xattn's products there (int8 from 5 rows: fbgemm's, called from the kernel).
 
 Copies are made once, when the decoder is built: later changes to the transformers weights are not seen
 (build the decoder again after fine-tuning).
@@ -148,12 +148,11 @@ class Int8Linear(_Copy):
             quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
         self.plain = quantized.int_repr().contiguous() if kernels.available() else None
-        self.row_sums = None if self.plain is None else self.plain.sum(dim=1, dtype=torch.int32)
         self.scales = scales.float()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
         if _small(x, self.plain, INT8_SMALL_ROWS):
-            return kernels.matvec_int8(x, self.plain, self.scales, self.bias, self.row_sums)
+            return kernels.matvec_int8(x, self.plain, self.scales, self.bias)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,18 +36,17 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.xattn_kernels.matvec(x, weight, bias)
 
 
-def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                row_sum: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32, quantized per row to int8 inside, times int8 weight [N, K] with one scale per row.
-    With row_sum (the weight rows' int32 sums), 4+ rows are quantized to 7 bits and take the faster product."""
-    return torch.ops.xattn_kernels.matvec_int8(x, weight, scale, bias, row_sum)
+def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32, quantized per row to int8 inside, times int8 weight [N, K] with one scale per row."""
+    return torch.ops.xattn_kernels.matvec_int8(x, weight, scale, bias)
 
 
-def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, row_sums, keys, values, cross_keys,
+def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, packed, keys, values, cross_keys,
                    cross_values, cross_mask, enc_index, position, scalings, eps) -> torch.Tensor:
     """hidden [B, D] through every GPT-2 block at `position`, writing its K/V into keys/values in place."""
     return torch.ops.xattn_kernels.decoder_layers(
-        hidden, norm_weight, norm_bias, weights, scales, biases, row_sums, keys, values, cross_keys, cross_values,
+        hidden, norm_weight, norm_bias, weights, scales, biases, packed, keys, values, cross_keys, cross_values,
         cross_mask, enc_index, position, scalings, eps)
 
 
@@ -105,7 +104,7 @@ def _register_fake() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("xattn_kernels::matvec_int8")
-    def _(x, weight, scale, bias, row_sum=None):
+    def _(x, weight, scale, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("xattn_kernels::decoder_layers")

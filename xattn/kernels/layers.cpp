@@ -11,6 +11,7 @@
 // without it, at b / (B / B_enc); cross_mask [B_enc, S] true where an encoder position is real.
 
 #include <ATen/ATen.h>
+#include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -23,6 +24,7 @@ namespace {
 
 using xattn::Store;
 using xattn::Weight;
+using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
 // Rows in parallel (from 4 rows on); float sums in 8 lanes, the variance from a second pass as torch does.
 void layer_norm(const float* x, int64_t rows, int64_t D, const float* gamma, const float* beta, double eps, float* y) {
@@ -155,20 +157,19 @@ void attend(const float* q, const float* keys, const float* values, int64_t posi
   weighted_sum(scores.data(), values, positions, hd, exponentiate(scores.data(), positions, peak, mask), out);
 }
 
-Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, at::TensorList row_sums,
-                 size_t i) {
+Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, size_t i) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "projection weights must be contiguous [N, K] tensors");
   const bool int8 = w.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || w.scalar_type() == at::kFloat, "projection weights must be float32 or int8");
   TORCH_CHECK(!int8 || i < scales.size(), "int8 weights need their scales");
   return Weight{w.data_ptr(), int8 ? scales[i].data_ptr<float>() : nullptr,
                 i < biases.size() && biases[i].defined() ? biases[i].data_ptr<float>() : nullptr, w.size(0),
-                w.size(1), int8 && i < row_sums.size() ? row_sums[i].data_ptr<int32_t>() : nullptr};
+                w.size(1)};
 }
 
 at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
                           at::TensorList weights, at::TensorList scales, at::TensorList biases,
-                          at::TensorList row_sums, const at::Tensor& keys,
+                          const std::vector<Packed>& packed, const at::Tensor& keys,
                           const at::Tensor& values, const c10::optional<at::Tensor>& cross_keys,
                           const c10::optional<at::Tensor>& cross_values, const c10::optional<at::Tensor>& cross_mask,
                           const c10::optional<at::Tensor>& enc_index, const at::Tensor& position,
@@ -183,6 +184,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
   const bool has_cross = cross_keys.has_value();
   const int64_t per_layer = has_cross ? 6 : 4;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * L, "expected ", per_layer * L, " weights");
+  TORCH_CHECK(packed.empty() || packed.size() == weights.size(), "packed: none, or one per weight");
   TORCH_CHECK(norm_weight.is_contiguous() && norm_bias.is_contiguous() && norm_weight.numel() == L * 3 * D &&
                   norm_bias.numel() == L * 3 * D,
               "norm_weight/norm_bias must be contiguous [L, 3, D]");
@@ -239,16 +241,23 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
     const float* beta = betas + l * 3 * D;
     const float scale = static_cast<float>(scalings[l]);
     int64_t next = l * per_layer;
-    auto w = [&]() {
+    // y (+)= the next projection of `in` ([B, K] -> [B, N]): fbgemm's prepacked int8 product where given (faster
+    // than xattn's from ~5 rows on), else xattn's
+    auto project = [&](const float* in, float* y, Store how) {
       const int64_t i = next++;
-      return weight_of(weights[i], scales, biases, row_sums, i);
+      const Weight w = weight_of(weights[i], scales, biases, i);
+      if (packed.empty()) return xattn::product(in, B, w, y, how);
+      const at::Tensor result =
+          packed[i]->apply_dynamic(at::from_blob(const_cast<float*>(in), {B, w.K}, hidden.options()), true);
+      const float* r = result.data_ptr<float>();
+      for (int64_t j = 0; j < B * w.N; ++j) y[j] = how == Store::kAdd ? y[j] + r[j] : r[j];
     };
 
     // self-attention: K/V of this position into the cache, then attend over positions 0..p
     layer_norm(h, B, D, gamma, beta, eps, x.data());
-    const Weight qkv_w = w();
-    TORCH_CHECK(qkv_w.N == 3 * D && qkv_w.K == D, "layer ", l, ": qkv weight must be [3D, D]");
-    xattn::product(x.data(), B, qkv_w, qkv.data());
+    TORCH_CHECK(weights[next].size(0) == 3 * D && weights[next].size(1) == D, "layer ", l,
+                ": qkv weight must be [3D, D]");
+    project(x.data(), qkv.data(), Store::kSet);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t head = 0; head < H; ++head) {
         const int64_t at = (((l * B + b) * H + head) * T + p) * hd;
@@ -260,27 +269,27 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
                 const int64_t at = ((l * B + b) * H + head) * T * hd;
                 attend(q, kc + at, vc + at, p + 1, hd, scale, nullptr, scores, o);
               });
-    xattn::product(attn.data(), B, w(), h, Store::kAdd);
+    project(attn.data(), h, Store::kAdd);
 
     if (has_cross) {
       layer_norm(h, B, D, gamma + D, beta + D, eps, x.data());
-      xattn::product(x.data(), B, w(), qkv.data());  // the cross query, [B, D] in qkv's buffer
+      project(x.data(), qkv.data(), Store::kSet);  // the cross query, [B, D] in qkv's buffer
       attention([&](int64_t b) { return qkv.data() + b * D; },
                 [&](int64_t b, int64_t head, const float* q, std::vector<float>& scores, float* o) {
                   const int64_t e = enc_row[b];
                   const int64_t at = ((l * B_enc + e) * H + head) * S * hd;
                   attend(q, ck + at, cv + at, S, hd, scale, cmask ? cmask + e * S : nullptr, scores, o);
                 });
-      xattn::product(attn.data(), B, w(), h, Store::kAdd);
+      project(attn.data(), h, Store::kAdd);
     }
 
     layer_norm(h, B, D, gamma + 2 * D, beta + 2 * D, eps, x.data());
-    const Weight mlp_in = w();
-    inner.resize(B * mlp_in.N);
-    xattn::product(x.data(), B, mlp_in, inner.data());
-    at::Tensor activations = at::from_blob(inner.data(), {B, mlp_in.N}, hidden.options());
+    const int64_t width = weights[next].size(0);
+    inner.resize(B * width);
+    project(x.data(), inner.data(), Store::kSet);
+    at::Tensor activations = at::from_blob(inner.data(), {B, width}, hidden.options());
     at::gelu_(activations, "tanh");  // torch's own vectorized GELU, as the decoder's blocks run it
-    xattn::product(inner.data(), B, w(), h, Store::kAdd);
+    project(inner.data(), h, Store::kAdd);
   }
   return out;
 }
@@ -290,7 +299,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor norm_weight, Tensor norm_bias, Tensor[] weights, Tensor[] scales, "
-      "Tensor[] biases, Tensor[] row_sums, Tensor(a!) keys, Tensor(b!) values, Tensor? cross_keys, Tensor? cross_values, "
+      "Tensor[] biases, __torch__.torch.classes.quantized.LinearPackedParamsBase[] packed, "
+      "Tensor(a!) keys, Tensor(b!) values, Tensor? cross_keys, Tensor? cross_values, "
       "Tensor? cross_mask, Tensor? enc_index, Tensor position, float[] scalings, float eps) -> Tensor");
 }
 

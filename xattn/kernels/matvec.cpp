@@ -10,15 +10,14 @@
 
 namespace {
 
-at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const float* scale, const c10::optional<at::Tensor>& bias,
-               const int32_t* row_sum = nullptr) {
+at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const float* scale, const c10::optional<at::Tensor>& bias) {
   const int64_t K = weight.size(1), N = weight.size(0);
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's K");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty({x2.size(0), N}, x.options());
-  const xattn::Weight w{weight.data_ptr(), scale, bias.has_value() ? bias->data_ptr<float>() : nullptr, N, K, row_sum};
+  const xattn::Weight w{weight.data_ptr(), scale, bias.has_value() ? bias->data_ptr<float>() : nullptr, N, K};
   xattn::product(x2.data_ptr<float>(), x2.size(0), w, y.data_ptr<float>());
   return y.view(shape);
 }
@@ -35,20 +34,18 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 }
 
 at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& row_sum) {
+                       const c10::optional<at::Tensor>& bias) {
   check_x(x);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar,
               "weight must be a contiguous int8 [N, K] tensor");
-  TORCH_CHECK(!row_sum.has_value() || (row_sum->scalar_type() == at::kInt && row_sum->numel() == weight.size(0)),
-              "row_sum must be the weight rows' int32 sums");
-  return run(x, weight, scale.data_ptr<float>(), bias, row_sum.has_value() ? row_sum->data_ptr<int32_t>() : nullptr);
+  return run(x, weight, scale.data_ptr<float>(), bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("matvec_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? row_sum=None) -> Tensor");
+  m.def("matvec_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) {

@@ -28,7 +28,6 @@ struct Weight {
   const float* scale;  // [N] for int8 weights, nullptr for fp32
   const float* bias;   // [N] or nullptr
   int64_t N, K;
-  const int32_t* row_sum = nullptr;  // [N] sums of each int8 weight row: lets 4+ activation rows take block_u7
 };
 
 inline void store(float* y, float value, Store how) {
@@ -126,42 +125,6 @@ void block_int8(const int8_t* xq, int64_t K, const int8_t* w, int64_t n0, int64_
   }
 }
 
-// The same at 4+ activation rows, where the step is compute-bound: rows quantized to 7 bits (|xq| <= 63, as fbgemm's
-// dynamic linear does) and offset to u = xq + 64 in [1, 127], so that u can be vpmaddubsw's unsigned operand as it
-// is (3 instructions per 32 products instead of 4; pairs <= 2 * 127 * 127 fit int16); the offset comes back out
-// as 64 * the weight row's sum. 2 x 4 accumulators leave registers for u, w and the constants.
-template <int M>
-void block_u7(const uint8_t* u, int64_t K, const int8_t* w, int64_t n0, int64_t rows, const float* x_scale,
-              const Weight& weight, float* y, int64_t N, Store how) {
-  constexpr int R = 4;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
-  const int64_t k32 = K - K % 32;
-  const int8_t* base = w + n0 * K;
-  for (int64_t k = 0; k < k32; k += 32) {
-    __m256i uv[M];
-    for (int m = 0; m < M; ++m) uv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + m * K + k));
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + r * K + k));
-      for (int m = 0; m < M; ++m)
-        acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(_mm256_maddubs_epi16(uv[m], wv), ones));
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const int64_t n = n0 + r;
-    for (int m = 0; m < M; ++m) {
-      int32_t sum = hsum_epi32(acc[m][r]);
-      for (int64_t k = k32; k < K; ++k) sum += int32_t(u[m * K + k]) * int32_t(base[r * K + k]);
-      float out = float(sum - 64 * weight.row_sum[n]) * x_scale[m] * weight.scale[n];
-      if (weight.bias) out += weight.bias[n];
-      store(y + m * N + n, out, how);
-    }
-  }
-}
-
 inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, Store how) {
   const int64_t K = w.K, N = w.N;
   const float* weight = static_cast<const float*>(w.data);
@@ -192,46 +155,26 @@ inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, S
   });
 }
 
-// Each activation row to `levels` steps each side of 0 (127: int8; 63: 7 bits), symmetric, one scale per row, plus
-// `offset` (a plain loop: a few ATen ops per call would cost more than the product at one row).
-template <typename T>
-void quantize_rows(const float* x, int64_t M, int64_t K, float levels, int offset, T* xq, float* x_scale) {
+// Each activation row to int8, symmetric, one scale per row (a plain loop: a few ATen ops per call would cost
+// more than the product at one row).
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* x_scale) {
   for (int64_t m = 0; m < M; ++m) {
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[m * K + k]));
-    x_scale[m] = amax > 0.f ? amax / levels : 1.f;
+    x_scale[m] = amax > 0.f ? amax / 127.f : 1.f;
     const float inv = 1.f / x_scale[m];
-    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<T>(std::nearbyint(x[m * K + k] * inv) + offset);
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int8_t>(std::nearbyint(x[m * K + k] * inv));
   }
 }
 
-constexpr int64_t kU7Rows = 16;  // from this many activation rows on, int8 products take block_u7 (if they can)
-
 inline void product_int8(const float* x, int64_t M, const Weight& w, float* y, Store how) {
   const int64_t K = w.K, N = w.N;
-  const int8_t* weight = static_cast<const int8_t*>(w.data);
-  std::vector<float> x_scale(M);
-  const float* xs = x_scale.data();
-  if (M >= kU7Rows && w.row_sum) {
-    std::vector<uint8_t> u(M * K);
-    quantize_rows(x, M, K, 63.f, 64, u.data(), x_scale.data());
-    at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk)
-        for (int64_t half = 0; half < kRows && blk * kRows + half < N; half += 4) {
-          const int64_t n0 = blk * kRows + half, rows = std::min<int64_t>(4, N - n0);
-          for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            if (M - m0 >= 2)
-              block_u7<2>(u.data() + m0 * K, K, weight, n0, rows, xs + m0, w, y + m0 * N, N, how);
-            else
-              block_u7<1>(u.data() + m0 * K, K, weight, n0, rows, xs + m0, w, y + m0 * N, N, how);
-          }
-        }
-    });
-    return;
-  }
   std::vector<int8_t> xq(M * K);
-  quantize_rows(x, M, K, 127.f, 0, xq.data(), x_scale.data());
+  std::vector<float> x_scale(M);
+  quantize_rows(x, M, K, xq.data(), x_scale.data());
   const int8_t* q = xq.data();
+  const int8_t* weight = static_cast<const int8_t*>(w.data);
+  const float* xs = x_scale.data();
   at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kRows, rows = std::min(kRows, N - n0);
