@@ -134,3 +134,20 @@ def test_bad_input_to_the_kernel_is_refused():
     with pytest.raises(RuntimeError, match="rows or width"):
         kernels.decoder_layers(torch.randn(2, 32), *args, weights, scales, biases, packed, *rest, torch.tensor(0),
                                fused.scalings, 1e-5)
+
+
+def test_compiled_int8_step_equals_the_eager_step(fused_calls):
+    """From 5 rows the int8 step calls fbgemm from the kernel; compiled, it runs as one opaque op that does the
+    same, so compiling changes only the rounding of what the compiler generates around it (final norm, head)."""
+    torch._dynamo.reset()
+    decoder = xattn.from_hf(tiny_captioner(seed=67), weights="int8").decoder
+    states = torch.randn(2, 17, 32, generator=torch.Generator().manual_seed(9))
+    caches = [decoder.new_cache(8, 16, states) for _ in range(2)]
+    compiled = torch.compile(decoder.decode_step, fullgraph=True)
+    generator = torch.Generator().manual_seed(10)
+    for position in range(4):
+        ids = torch.randint(3, 99, (8,), generator=generator)
+        at = torch.tensor(position)
+        assert torch.allclose(compiled(ids, caches[1], at), decoder.decode_step(ids, caches[0], at), atol=1e-5)
+    assert torch.allclose(caches[0].keys, caches[1].keys, atol=1e-6)
+    assert fused_calls.count(8) == 8  # eager and compiled steps both ran the fused kernel

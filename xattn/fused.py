@@ -7,6 +7,9 @@ as the decoder's own blocks, in another order of summation: logits differ by rou
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from . import kernels
@@ -25,6 +28,8 @@ class FusedLayers:
 
     def __init__(self, transformer, projections: list[dict], scalings: list[float], kind: str):
         self.max_rows = MAX_ROWS[kind]
+        self.handle = next(_handles)  # how the compiled graph's opaque op finds this object
+        _live[self.handle] = self
         blocks = list(transformer.h)
         self.has_cross = all("cross_q" in proj for proj in projections)
         norms = []
@@ -68,11 +73,32 @@ class FusedLayers:
 
     def __call__(self, hidden: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor) -> torch.Tensor:
         """hidden [B, D] -> [B, D] after every block; writes the step's K/V into the cache."""
-        weights, scales, biases, packed = self._lists[cache.has_cross]
-        if hidden.shape[0] < FBGEMM_ROWS or torch.compiler.is_compiling():  # the compiler cannot trace fbgemm's
-            packed = []
+        args = (hidden, cache.keys, cache.values, cache.cross_keys, cache.cross_values, cache.cross_mask,
+                cache.enc_index, position)
+        if torch.compiler.is_compiling():  # one opaque op: the compiler cannot trace fbgemm's packed weights
+            return torch.ops.xattn.fused_layers(*args, self.handle)
+        return self.run(*args)
+
+    def run(self, hidden, keys, values, cross_keys, cross_values, cross_mask, enc_index, position) -> torch.Tensor:
+        weights, scales, biases, packed = self._lists[cross_keys is not None]
         return kernels.decoder_layers(
-            hidden, self.norm_weight, self.norm_bias, weights, scales, biases, packed, cache.keys,
-            cache.values,
-            cache.cross_keys, cache.cross_values, cache.cross_mask, cache.enc_index, position, self.scalings, self.eps,
+            hidden, self.norm_weight, self.norm_bias, weights, scales, biases,
+            packed if hidden.shape[0] >= FBGEMM_ROWS else [], keys, values, cross_keys, cross_values, cross_mask,
+            enc_index, position, self.scalings, self.eps,
         )
+
+
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+@torch.library.custom_op("xattn::fused_layers", mutates_args=("keys", "values"))
+def _fused_layers(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cross_keys: torch.Tensor | None,
+                  cross_values: torch.Tensor | None, cross_mask: torch.Tensor | None, enc_index: torch.Tensor | None,
+                  position: torch.Tensor, handle: int) -> torch.Tensor:
+    return _live[handle].run(hidden, keys, values, cross_keys, cross_values, cross_mask, enc_index, position)
+
+
+@_fused_layers.register_fake
+def _(hidden, keys, values, cross_keys, cross_values, cross_mask, enc_index, position, handle):
+    return hidden.new_empty(hidden.shape)
