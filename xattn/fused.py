@@ -1,7 +1,7 @@
 """A decode step through all of the decoder's blocks in one call of xattn's kernel (xattn/kernels/layers.cpp).
 
-Used by the "packed" and "int8" weight formats at few rows, where a step is bound by streaming the weights and the
-~30 small torch ops per block (layer norms, attention, residuals) would add ~3 ms of dispatch to it. The same math
+Used by the "packed" and "int8" weight formats at up to 64 rows, where the ~30 small torch ops per block (layer
+norms, attention, residuals) would add ~3 ms of dispatch to a step that is otherwise its weights' products. The same math
 as the decoder's own blocks, in another order of summation: logits differ by rounding only.
 """
 

@@ -1,9 +1,9 @@
 // One decode step through every GPT-2 block in one call: xattn_kernels::decoder_layers.
 //
-// At batch 1-8 a step's projections stream ~550 MB of weights, and the rest of the block (layer norms, attention
+// At small batch a step's projections stream ~550 MB of weights, and the rest of the block (layer norms, attention
 // over the cache and the encoder's K/V, residuals, GELU: ~30 small torch ops per layer) costs ~3 ms of dispatch on
-// top. Here that rest is plain loops between the products of products.h, so the step is the weight stream plus
-// the attention's own reads.
+// top. Here that rest is plain loops between the products (products.h's, or fbgemm's prepacked int8 ones where
+// `packed` is given), so the step is the weight stream plus the attention's own reads.
 //
 // Per layer: h += attn_out(self_attention(qkv(ln_1(h)))); h += cross_out(cross_attention(cross_q(ln_cross(h))));
 // h += mlp_out(gelu_tanh(mlp_in(ln_2(h)))). Layouts are the decoder's (xattn/cache.py): self K/V
