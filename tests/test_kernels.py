@@ -23,7 +23,7 @@ def test_the_kernel_builds_and_loads_here():
     assert kernels.available()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 13, 32])
 @pytest.mark.parametrize("k,n", [(32, 37), (768, 2304), (3072, 768), (20, 13), (8, 1), (40, 9)])
 def test_fp32_and_int8_products_equal_torch_within_rounding(rows, k, n):
     generator = torch.Generator().manual_seed(rows * 1000 + k + n)
@@ -31,7 +31,11 @@ def test_fp32_and_int8_products_equal_torch_within_rounding(rows, k, n):
     weight = torch.randn(n, k, generator=generator)
     bias = torch.randn(n, generator=generator)
     expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    assert torch.allclose(kernels.matvec(x, weight, bias).double(), expected, atol=1e-3, rtol=1e-4)
+    fp32 = kernels.matvec(x, kernels.panels(weight), n, bias)
+    assert fp32.shape == (rows, n) and torch.allclose(fp32.double(), expected, atol=1e-3, rtol=1e-4)
+    # each product is one FMA chain in k order, whatever the rows beside it: row by row gives the same bits
+    assert torch.equal(torch.cat([kernels.matvec(x[i:i + 1], kernels.panels(weight), n, bias) for i in range(rows)]),
+                       fp32)
     # int8: the same product with x rounded to 8 bits per row (as the kernel does) is exact in int32
     scales = weight.abs().amax(dim=1) / 127
     quantized = (weight / scales[:, None]).round().to(torch.int8)
@@ -47,10 +51,14 @@ def test_fp32_and_int8_products_equal_torch_within_rounding(rows, k, n):
 def test_leading_dimensions_are_kept_and_bad_input_is_refused():
     x = torch.randn(2, 3, 16)
     weight = torch.randn(5, 16)
-    out = kernels.matvec(x, weight)
+    out = kernels.matvec(x, kernels.panels(weight), 5)
     assert out.shape == (2, 3, 5) and torch.allclose(out, x @ weight.t(), atol=1e-5)
     with pytest.raises(RuntimeError, match="last dimension"):
-        kernels.matvec(torch.randn(1, 15), weight)
+        kernels.matvec(torch.randn(1, 15), kernels.panels(weight), 5)
+    with pytest.raises(RuntimeError, match="panels"):
+        kernels.matvec(torch.randn(1, 16), weight, 5)  # an [N, K] weight, not its panels
+    with pytest.raises(RuntimeError, match="panels"):
+        kernels.matvec(torch.randn(1, 16), kernels.panels(weight), 17)  # more columns than the panels hold
     with pytest.raises(RuntimeError, match="int8"):
         kernels.matvec_int8(torch.randn(1, 16), weight, torch.ones(5))
 

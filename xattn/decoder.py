@@ -17,6 +17,7 @@ from torch import nn
 from . import weights as weight_formats
 from .cache import CrossAttentionCache
 from .fused import FusedLayers
+from .head import GreedyHead
 
 
 def _layer_norm(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
@@ -74,6 +75,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
         fast_gelu = weights != "exact" and config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
         self.activation = _tanh_gelu if fast_gelu else _module_activation
         self.head_projection = None if lm_head is None else weight_formats.linear(lm_head, weights)
+        # packed: greedy steps take the head's argmax through an int8 copy, fp32 only where it is close (head.py)
+        self.greedy_head = None if head is not None else GreedyHead.build(self.head_projection)
         # packed/int8 at few rows: every block in one kernel call (xattn/fused.py)
         self.fused = FusedLayers.build(transformer, self.projections, self.scalings, weights,
                                        config.activation_function)
@@ -191,12 +194,30 @@ class GPT2CrossAttentionDecoder(nn.Module):
         Static shapes and no data-dependent branching: compile it with torch.compile(fullgraph=True).
         The caller advances cache.length (it is host-side bookkeeping, not part of the graph).
         """
+        return self.logits(self._step_hidden(input_ids, cache, position))[:, 0]
+
+    @torch.no_grad()
+    def decode_greedy(
+        self, input_ids: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor, forbidden: torch.Tensor
+    ) -> torch.Tensor:
+        """decode_step's argmax with the ids in forbidden [F] left out: the next greedy tokens [B].
+
+        With the packed format's GreedyHead the whole fp32 head product is not computed; the tokens are the same.
+        Compiles like decode_step.
+        """
+        hidden = self._step_hidden(input_ids, cache, position)
+        if self.greedy_head is not None and self.greedy_head.applies(hidden.shape[0]):
+            return self.greedy_head(_layer_norm(hidden[:, 0], self.transformer.ln_f), forbidden)
+        logits = self.logits(hidden)[:, 0].float().index_fill(1, forbidden, float("-inf"))
+        return torch.argmax(logits, dim=-1)
+
+    def _step_hidden(self, input_ids: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor):
+        """input_ids [B] at position -> the last block's output [B, 1, D] (before ln_f); writes the step's K/V."""
         positions = position.view(1)
         hidden = self.embed(input_ids[:, None], positions)
         if self.fused is not None and self.fused.applies(input_ids.shape[0], cache):
-            return self.logits(self.fused(hidden[:, 0], cache, position))
-        hidden = self.forward_hidden(hidden, cache, positions)
-        return self.logits(hidden)[:, 0]
+            return self.fused(hidden[:, 0], cache, position)[:, None]
+        return self.forward_hidden(hidden, cache, positions)
 
     @torch.no_grad()
     def cross_attention_probs(self, cache: CrossAttentionCache, input_ids: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ class FusedLayers:
     def _weights(projections, cross: bool):
         names = _ORDER if cross else tuple(n for n in _ORDER if not n.startswith("cross"))
         copies = [proj[name] for proj in projections for name in names]
-        weights = [c.plain for c in copies]
+        weights = [c.kernel_weight for c in copies]
         int8 = [c for c in copies if isinstance(c, Int8Linear)]
         biases = [c.bias for c in copies]
         packed = [c.packed for c in int8] if len(int8) == len(copies) else []
@@ -54,16 +54,18 @@ class FusedLayers:
 
     @classmethod
     def build(cls, transformer, projections, scalings, kind: str, activation: str) -> FusedLayers | None:
-        """The fused step where it applies (kernels built, fp32 model, GPT-2's tanh GELU, copies with plain
-        weights and biases, one eps); None otherwise."""
+        """The fused step where it applies (kernels built, fp32 model, GPT-2's tanh GELU, copies with kernel
+        weights and biases, fp32 widths in whole panels, one eps); None otherwise."""
         if kind not in MAX_ROWS or not kernels.available() or activation not in ("gelu_new", "gelu_pytorch_tanh"):
             return None
         if transformer.ln_f.weight.dtype != torch.float32:
             return None
         copies = [c for proj in projections for c in proj.values()]
-        if not all(isinstance(c, (PackedLinear, Int8Linear)) and c.plain is not None and c.bias is not None
+        if not all(isinstance(c, (PackedLinear, Int8Linear)) and c.kernel_weight is not None and c.bias is not None
                    for c in copies):
             return None
+        if any(isinstance(c, PackedLinear) and c.out_features % kernels.PANEL for c in copies):
+            return None  # the kernel takes a panel weight's width from its panel count
         if len({float(block.ln_1.eps) for block in transformer.h}) != 1:
             return None
         return cls(transformer, projections, scalings, kind)

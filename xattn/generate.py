@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from .cache import CrossAttentionCache
 
 DecodeStep = Callable[[torch.Tensor, CrossAttentionCache, torch.Tensor], torch.Tensor]
+# (tokens [B], cache, position, forbidden ids [F]) -> the next greedy tokens [B]: a decode step and its argmax
+GreedyStep = Callable[[torch.Tensor, CrossAttentionCache, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _NEG = -1.0e9  # the "impossible" score transformers' beam search uses (not -inf: it stays comparable)
 
@@ -202,24 +204,33 @@ def sample_stream(
     logits: torch.Tensor,
     opts: GenerationOptions,
     position_offset: int = 0,
+    greedy_step: GreedyStep | None = None,
 ) -> Iterator[torch.Tensor]:
     """Greedy or sampled tokens, one [B] tensor per step, written into sequences [B, prompt + max_new].
 
     logits: [B, V] from the prefill. Rows that emitted EOS get pad_token_id afterwards; the stream ends
     when every row has stopped or max_new_tokens are out. position_offset: cache positions before
-    sequences[:, 0] (a prefix of embeddings that has no token ids).
+    sequences[:, 0] (a prefix of embeddings that has no token ids). greedy_step: used instead of step where
+    the choice is a plain argmax (greedy, no repetition penalty): it returns the tokens, not the logits.
     """
     rows = sequences.shape[0]
-    unfinished = torch.ones(rows, dtype=torch.bool, device=sequences.device)
-    eos = torch.tensor(opts.eos_token_id, device=sequences.device) if opts.eos_token_id else None
+    device = sequences.device
+    unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+    eos = torch.tensor(opts.eos_token_id, device=device) if opts.eos_token_id else None
+    plain_argmax = greedy_step is not None and not opts.do_sample and opts.repetition_penalty == 1.0
+    no_ids = torch.zeros(0, dtype=torch.long, device=device)
+    chosen = None  # the greedy_step's tokens for this step
     for i in range(opts.max_new_tokens):
         cur = prompt_length + i
-        scores = process_scores(sequences[:, :cur], logits.float(), i, opts)
-        if opts.do_sample:
-            probs = F.softmax(scores, dim=-1)
-            tokens = torch.multinomial(probs, num_samples=1, generator=opts.generator).squeeze(1)
+        if chosen is not None:
+            tokens = chosen
         else:
-            tokens = torch.argmax(scores, dim=-1)
+            scores = process_scores(sequences[:, :cur], logits.float(), i, opts)
+            if opts.do_sample:
+                probs = F.softmax(scores, dim=-1)
+                tokens = torch.multinomial(probs, num_samples=1, generator=opts.generator).squeeze(1)
+            else:
+                tokens = torch.argmax(scores, dim=-1)
         if eos is not None:
             tokens = torch.where(unfinished, tokens, opts.pad_token_id)
         sequences[:, cur] = tokens
@@ -229,7 +240,12 @@ def sample_stream(
             if not bool(unfinished.any()):
                 return
         if i + 1 < opts.max_new_tokens:
-            logits = step(tokens, cache, torch.tensor(position_offset + cur, device=tokens.device))
+            position = torch.tensor(position_offset + cur, device=device)
+            if plain_argmax:  # the forbidden ids are process_scores' min-length rule for the next step
+                forbidden = eos if eos is not None and i + 1 < opts.min_new_tokens else no_ids
+                chosen = greedy_step(tokens, cache, position, forbidden)
+            else:
+                logits = step(tokens, cache, position)
             cache.length = position_offset + cur + 1
 
 

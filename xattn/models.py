@@ -40,6 +40,8 @@ class XattnModel:
         self.hf_model = hf_model
         self.is_encoder_decoder = encoder is not None
         self._decode_step = decoder.decode_step
+        # greedy steps that pick the token inside the step (the packed format's head reads int8 first: head.py)
+        self._greedy_step = decoder.decode_greedy if decoder.greedy_head is not None else None
         self._cache_bucket = 1  # cache lengths are rounded up to a multiple of this (compiled: fewer shapes)
 
     # ---- compilation --------------------------------------------------------------------------------------
@@ -52,6 +54,8 @@ class XattnModel:
         compile_kwargs.setdefault("fullgraph", True)
         compile_kwargs.setdefault("dynamic", False)
         self._decode_step = torch.compile(self.decoder.decode_step, **compile_kwargs)
+        if self._greedy_step is not None:
+            self._greedy_step = torch.compile(self.decoder.decode_greedy, **compile_kwargs)
         self._cache_bucket = cache_bucket
         return self
 
@@ -110,7 +114,7 @@ class XattnModel:
             sequences, scores = beam_search(self._decode_step, plan.cache, plan.prompt, plan.logits, plan.opts)
         else:
             steps = sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits,
-                                  plan.opts)
+                                  plan.opts, greedy_step=self._greedy_step)
             generated = sum(1 for _ in steps)
             sequences = plan.sequences[:, : plan.prompt_length + generated]
         if return_dict_in_generate:
@@ -123,7 +127,8 @@ class XattnModel:
         if plan.opts.num_beams > 1:
             raise ValueError("streaming needs num_beams=1: beam search only knows its best sequence at the end")
         yield from sample_stream(
-            self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts
+            self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts,
+            greedy_step=self._greedy_step,
         )
 
     def _plan(self, inputs: torch.Tensor | None = None, **kwargs) -> _Plan:

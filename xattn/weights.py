@@ -6,8 +6,9 @@ format of those weights sets its speed.
 
 - "exact": transformers' own tensors and ops (Conv1D's addmm, the head's linear); bit-identical logits.
 - "packed": fp32 copies: at up to SMALL_ROWS activation rows (decode steps up to batch 16 x 4 beams) through
-  xattn's own AVX2 kernel (xattn.kernels), above that through oneDNN with the weights prepacked in its blocked
-  layout; the same values summed in another order, so logits differ by rounding only.
+  xattn's own AVX2 kernel (xattn.kernels, the weights in its 16-column panels), above that through oneDNN with the
+  weights prepacked in its blocked layout; the same values summed in another order, so logits differ by rounding
+  only. Greedy steps read the LM head through an int8 copy first and pick the same token (xattn/head.py).
 - "bf16": bfloat16 copies (half the bytes); activations are cast to bf16 for the product, results to fp32.
 - "int8": int8 copies with one scale per output channel, activations quantized per call: at up to
   INT8_SMALL_ROWS rows by xattn's byte-product kernel (8-bit, symmetric per row), above that by fbgemm's
@@ -33,7 +34,7 @@ from torch import nn
 from . import kernels
 
 KINDS = ("exact", "packed", "bf16", "int8")
-SMALL_ROWS = 64  # up to this many activation rows, xattn's fp32 kernel beats oneDNN's (8 rows 1.5x, 32 1.2x, 64 1.1x)
+SMALL_ROWS = 64  # up to this many activation rows, xattn's fp32 kernel beats oneDNN's
 INT8_SMALL_ROWS = 3  # and its int8 one beats fbgemm's (measured on a 2-core AVX2 machine)
 
 
@@ -99,22 +100,25 @@ def _(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _Copy._live[handle].out_features)
 
 
-def _small(x: torch.Tensor, plain: torch.Tensor | None, rows: int) -> bool:
-    return plain is not None and x.numel() <= rows * x.shape[-1]
+def _small(x: torch.Tensor, kernel_weight: torch.Tensor | None, rows: int) -> bool:
+    return kernel_weight is not None and x.numel() <= rows * x.shape[-1]
 
 
 class PackedLinear(_Copy):
-    """fp32 weight [out, in]: as it is for xattn's kernel (few rows), prepacked for oneDNN's linear (more)."""
+    """fp32 weight [out, in]: in xattn's 16-column panels for its kernel (few rows), prepacked for oneDNN's linear
+    (more)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
         weight = weight.detach().float().contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        self.plain = weight.clone() if kernels.available() else None
+        self.kernel_weight = kernels.panels(weight) if kernels.available() else None
         self.bias = None if bias is None else bias.detach().float().clone()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        return kernels.matvec(x, self.plain, self.bias) if _small(x, self.plain, SMALL_ROWS) else None
+        if _small(x, self.kernel_weight, SMALL_ROWS):
+            return kernels.matvec(x, self.kernel_weight, self.out_features, self.bias)
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
@@ -147,12 +151,12 @@ class Int8Linear(_Copy):
             warnings.simplefilter("ignore")
             quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
-        self.plain = quantized.int_repr().contiguous() if kernels.available() else None
+        self.kernel_weight = quantized.int_repr().contiguous() if kernels.available() else None  # [out, in]
         self.scales = scales.float()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        if _small(x, self.plain, INT8_SMALL_ROWS):
-            return kernels.matvec_int8(x, self.plain, self.scales, self.bias)
+        if _small(x, self.kernel_weight, INT8_SMALL_ROWS):
+            return kernels.matvec_int8(x, self.kernel_weight, self.scales, self.bias)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """xattn's own CPU kernels (products.h, matvec.cpp, layers.cpp), compiled on first use with the system's g++
 against torch's headers.
 
-`matvec(x, weight, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N]. `matvec_int8(x, weight,
+`matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N]. `matvec_int8(x, weight,
 scale, bias=None)`: int8 weight with one scale per row, x quantized to int8 per row inside.
-`decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). The build lands in
+`decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
+argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). The build lands in
 ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the source and the torch version, so later processes load it at
 once. `available()` is False where it cannot be built or run (no g++, no AVX2/FMA, not x86-64,
 XATTN_NO_KERNELS=1); callers then use torch's kernels.
@@ -21,7 +22,7 @@ import warnings
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in ("matvec.cpp", "layers.cpp")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("matvec.cpp", "layers.cpp", "screen.cpp")]
 _HEADERS = [os.path.join(_HERE, "products.h")]
 _state: dict = {}
 
@@ -32,8 +33,21 @@ def available() -> bool:
     return _state["ok"]
 
 
-def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.xattn_kernels.matvec(x, weight, bias)
+PANEL = 16  # output columns per fp32 panel
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 weight [N, K] -> the kernels' layout [ceil(N / 16), K, 16]: panel p holds columns 16p .. 16p + 15 (zeros
+    past N), so that the product reads the weight as one stream of 64-byte rows."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight.detach()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def matvec(x: torch.Tensor, weight_panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32 times the weight [n, K] held as panels(weight) -> [..., n]."""
+    return torch.ops.xattn_kernels.matvec(x, weight_panels, n, bias)
 
 
 def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -48,6 +62,12 @@ def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, pack
     return torch.ops.xattn_kernels.decoder_layers(
         hidden, norm_weight, norm_bias, weights, scales, biases, packed, keys, values, cross_keys, cross_values,
         cross_mask, enc_index, position, scalings, eps)
+
+
+def greedy_tokens(x, weight_panels, bias, screen, scale, bounds, forbidden) -> torch.Tensor:
+    """argmax over matvec(x [M, K], weight_panels, N, bias) with the forbidden ids left out, read through the int8
+    copy `screen` [N, K] with proven bounds (see screen.cpp): tokens [M], equal to the full product's argmax."""
+    return torch.ops.xattn_kernels.greedy_tokens(x, weight_panels, bias, screen, scale, bounds, forbidden)
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -100,9 +120,13 @@ def _build() -> str:
 
 def _register_fake() -> None:
     @torch.library.register_fake("xattn_kernels::matvec")
-    def _(x, weight, bias):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    def _(x, weight_panels, n, bias):
+        return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("xattn_kernels::matvec_int8")
     def _(x, weight, scale, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("xattn_kernels::greedy_tokens")
+    def _(x, weight_panels, bias, screen, scale, bounds, forbidden):
+        return x.new_empty(x.shape[0], dtype=torch.long)

@@ -14,8 +14,10 @@
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "products.h"
@@ -157,14 +159,16 @@ void attend(const float* q, const float* keys, const float* values, int64_t posi
   weighted_sum(scores.data(), values, positions, hd, exponentiate(scores.data(), positions, peak, mask), out);
 }
 
+// fp32 weights come as panels [N / 16, K, 16] (products.h), int8 ones as [N, K] with one scale per row.
 Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, size_t i) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "projection weights must be contiguous [N, K] tensors");
+  TORCH_CHECK(w.is_contiguous(), "projection weights must be contiguous");
   const bool int8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || w.scalar_type() == at::kFloat, "projection weights must be float32 or int8");
+  TORCH_CHECK(int8 ? w.dim() == 2 : w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(2) == xattn::kPanel,
+              "projection weights must be float32 panels [N / 16, K, 16] or int8 [N, K]");
   TORCH_CHECK(!int8 || i < scales.size(), "int8 weights need their scales");
+  const int64_t N = int8 ? w.size(0) : w.size(0) * xattn::kPanel, K = w.size(1);
   return Weight{w.data_ptr(), int8 ? scales[i].data_ptr<float>() : nullptr,
-                i < biases.size() && biases[i].defined() ? biases[i].data_ptr<float>() : nullptr, w.size(0),
-                w.size(1)};
+                i < biases.size() && biases[i].defined() ? biases[i].data_ptr<float>() : nullptr, N, K};
 }
 
 at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
@@ -225,12 +229,21 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
   const float* betas = norm_bias.data_ptr<float>();
   std::vector<float> x(B * D), attn(B * D), qkv(B * 3 * D), inner;
 
+  // (row, head) pairs as b * H + head, the rows that read one encoder row's K/V (its beams) next to each other: a
+  // head's cross K/V (2 x S x hd floats, 100 KB for ViT-B) then come from memory once per step, not once per beam
+  std::vector<int64_t> pairs(B * H);
+  std::iota(pairs.begin(), pairs.end(), 0);
+  if (has_cross)
+    std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t c) {
+      return enc_row[a / H] * H + a % H < enc_row[c / H] * H + c % H;
+    });
+
   // attention of every (row, head) pair, in parallel: query q_of(b) + head * hd, output attn[b] + head * hd
   auto attention = [&](auto q_of, auto source) {
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / H, head = i % H;
+        const int64_t b = pairs[i] / H, head = pairs[i] % H;
         source(b, head, q_of(b) + head * hd, scores, attn.data() + b * D + head * hd);
       }
     });
@@ -255,8 +268,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
 
     // self-attention: K/V of this position into the cache, then attend over positions 0..p
     layer_norm(h, B, D, gamma, beta, eps, x.data());
-    TORCH_CHECK(weights[next].size(0) == 3 * D && weights[next].size(1) == D, "layer ", l,
-                ": qkv weight must be [3D, D]");
+    const Weight qkv_w = weight_of(weights[next], scales, biases, next);
+    TORCH_CHECK(qkv_w.N == 3 * D && qkv_w.K == D, "layer ", l, ": qkv weight must be [3D, D]");
     project(x.data(), qkv.data(), Store::kSet);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t head = 0; head < H; ++head) {
@@ -284,7 +297,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
     }
 
     layer_norm(h, B, D, gamma + 2 * D, beta + 2 * D, eps, x.data());
-    const int64_t width = weights[next].size(0);
+    const int64_t width = weight_of(weights[next], scales, biases, next).N;
     inner.resize(B * width);
     project(x.data(), inner.data(), Store::kSet);
     at::Tensor activations = at::from_blob(inner.data(), {B, width}, hidden.options());

@@ -1,5 +1,5 @@
-// The products of products.h as torch ops: xattn_kernels::matvec (fp32 weights) and matvec_int8 (int8 weights,
-// one scale per row), for the projections a decode step runs one at a time.
+// The products of products.h as torch ops: xattn_kernels::matvec (fp32 weights as panels [ceil(N / 16), K, 16]) and
+// matvec_int8 (int8 weights [N, K], one scale per row), for the projections a decode step runs one at a time.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -10,8 +10,8 @@
 
 namespace {
 
-at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const float* scale, const c10::optional<at::Tensor>& bias) {
-  const int64_t K = weight.size(1), N = weight.size(0);
+at::Tensor run(const at::Tensor& x, const at::Tensor& weight, int64_t N, int64_t K, const float* scale,
+               const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's K");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -26,11 +26,13 @@ void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a float32 CPU tensor");
 }
 
-at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias) {
   check_x(x);
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "weight must be a contiguous float32 [N, K] tensor");
-  return run(x, weight, nullptr, bias);
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kFloat && N > 0 && panels.size(0) == (N + 15) / 16,
+              "weight must be contiguous float32 panels [ceil(N / 16), K, 16] (xattn.kernels.panels)");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N elements");
+  return run(x, panels, N, panels.size(1), nullptr, bias);
 }
 
 at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -38,13 +40,14 @@ at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& weight, const at::
   check_x(x);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar,
               "weight must be a contiguous int8 [N, K] tensor");
-  return run(x, weight, scale.data_ptr<float>(), bias);
+  TORCH_CHECK(scale.numel() == weight.size(0), "one scale per weight row");
+  return run(x, weight, weight.size(0), weight.size(1), scale.data_ptr<float>(), bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
-  m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("matvec(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.def("matvec_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
 }
 

@@ -1,11 +1,11 @@
 // Matrix-vector products for decode steps (a few rows of activations against a whole weight matrix), AVX2 + FMA.
 //
-// A decode step at batch 1-8 streams every weight once, so its speed is memory bandwidth. These products walk 8
-// weight rows at a time with a software prefetch of the next block, on torch's own thread pool, and reach the
-// bandwidth of a plain sum over the same bytes; oneDNN's and fbgemm's general kernels stop short of it there.
-// Weights are [N, K] row-major (nn.Linear's layout): fp32, or int8 with one fp32 scale per row. For int8 each
-// activation row is quantized to int8 (symmetric, one scale per row) and bytes are multiplied with vpmaddubsw,
-// x's sign moved onto w so that |x| can be the unsigned operand.
+// A decode step at batch 1-8 streams every weight once, so its speed is memory bandwidth; at 32 rows (8 inputs x 4
+// beams) it is bound by the FMA units. fp32 weights are stored in 16-column panels (see product_fp32) read as one
+// stream with the next panel prefetched, which reaches the bandwidth of a plain sum at one row and ~70% of the FMA
+// peak at 32; int8 weights are [N, K] row-major (nn.Linear's layout) with one fp32 scale per row, walked 8 rows at a
+// time: each activation row is quantized to int8 (symmetric, one scale per row) and bytes are multiplied with
+// vpmaddubsw, x's sign moved onto w so that |x| can be the unsigned operand. All run on torch's thread pool.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -24,7 +24,7 @@ constexpr int64_t kRows = 8;  // weight rows per block
 enum class Store { kSet, kAdd };
 
 struct Weight {
-  const void* data;    // [N, K] float or int8
+  const void* data;    // fp32 panels [ceil(N / 16), K, 16], or int8 [N, K]
   const float* scale;  // [N] for int8 weights, nullptr for fp32
   const float* bias;   // [N] or nullptr
   int64_t N, K;
@@ -51,38 +51,87 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// y[m, n] (+)= sum_k x[m, k] w[n, k] + bias[n], for m < M, n in [n0, n0 + rows), rows <= R, prefetching one cache
-// line of each of the next R weight rows as it goes. R = 8 at up to 4 activation rows (bandwidth-bound: more
-// streams in flight; spills are cheap there); R = 4 with M <= 3 above (compute-bound: 12 accumulators, 3 x vectors
-// and one w vector fit the 16 AVX2 registers).
-template <int M, int R>
-void block_fp32(const float* x, int64_t K, const float* w, int64_t n0, int64_t rows, const float* bias, float* y,
-                int64_t N, Store how, bool prefetch) {
-  __m256 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  const int64_t k8 = K - K % 8;
-  const float* base = w + n0 * K;
-  for (int64_t k = 0; k < k8; k += 8) {
-    if (prefetch && k % 16 == 0)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(base + (R + r) * K + k), _MM_HINT_T0);
-    __m256 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
-      const __m256 wv = _mm256_loadu_ps(base + r * K + k);
-      for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(xv[m], wv, acc[m][r]);
-    }
+// fp32 weights are panels: [ceil(N / 16), K, 16], panel p holding output columns 16p .. 16p + 15 (zeros past N), so
+// that one k step of a panel is 64 contiguous bytes. A tile of M <= 6 activation rows x 16 columns lives in 12
+// registers for the whole of K, each product summed in k order by one FMA chain (the same for any M, so a row's
+// result does not depend on the rows beside it); the next panel is prefetched into L2 as this one is read.
+constexpr int64_t kPanel = 16;
+
+inline void fma_row(const float* x, __m256 w0, __m256 w1, __m256& c0, __m256& c1) {
+  const __m256 xb = _mm256_broadcast_ss(x);
+  c0 = _mm256_fmadd_ps(xb, w0, c0);
+  c1 = _mm256_fmadd_ps(xb, w1, c1);
+}
+
+// y[n0 + j] (+)= c[j] + bias[n0 + j] for j < cols
+inline void store_row(__m256 c0, __m256 c1, float* y, int64_t n0, int64_t cols, const float* bias, Store how) {
+  alignas(32) float sums[kPanel];
+  _mm256_store_ps(sums, c0);
+  _mm256_store_ps(sums + 8, c1);
+  for (int64_t j = 0; j < cols; ++j) store(y + n0 + j, bias ? sums[j] + bias[n0 + j] : sums[j], how);
+}
+
+template <int M>
+void tile_fp32(const float* x, int64_t K, const float* panel, const float* next, int64_t n0, int64_t cols,
+               const float* bias, float* y, int64_t N, Store how) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00;
+  __m256 c10 = _mm256_setzero_ps(), c11 = c10;
+  __m256 c20 = _mm256_setzero_ps(), c21 = c20;
+  __m256 c30 = _mm256_setzero_ps(), c31 = c30;
+  __m256 c40 = _mm256_setzero_ps(), c41 = c40;
+  __m256 c50 = _mm256_setzero_ps(), c51 = c50;
+  for (int64_t k = 0; k < K; ++k) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    if constexpr (M > 0) fma_row(x + 0 * K + k, w0, w1, c00, c01);
+    if constexpr (M > 1) fma_row(x + 1 * K + k, w0, w1, c10, c11);
+    if constexpr (M > 2) fma_row(x + 2 * K + k, w0, w1, c20, c21);
+    if constexpr (M > 3) fma_row(x + 3 * K + k, w0, w1, c30, c31);
+    if constexpr (M > 4) fma_row(x + 4 * K + k, w0, w1, c40, c41);
+    if constexpr (M > 5) fma_row(x + 5 * K + k, w0, w1, c50, c51);
   }
-  for (int r = 0; r < rows; ++r) {
-    const int64_t n = n0 + r;
-    for (int m = 0; m < M; ++m) {
-      float sum = hsum(acc[m][r]);
-      for (int64_t k = k8; k < K; ++k) sum += x[m * K + k] * base[r * K + k];
-      if (bias) sum += bias[n];
-      store(y + m * N + n, sum, how);
+  if constexpr (M > 0) store_row(c00, c01, y + 0 * N, n0, cols, bias, how);
+  if constexpr (M > 1) store_row(c10, c11, y + 1 * N, n0, cols, bias, how);
+  if constexpr (M > 2) store_row(c20, c21, y + 2 * N, n0, cols, bias, how);
+  if constexpr (M > 3) store_row(c30, c31, y + 3 * N, n0, cols, bias, how);
+  if constexpr (M > 4) store_row(c40, c41, y + 4 * N, n0, cols, bias, how);
+  if constexpr (M > 5) store_row(c50, c51, y + 5 * N, n0, cols, bias, how);
+}
+
+// Rows per tile: 6 while 10 or more are left (or exactly 6), then two tiles of about half the rest.
+inline int64_t tile_rows(int64_t left) { return left >= 10 || left <= 6 ? std::min<int64_t>(6, left) : (left + 1) / 2; }
+
+inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, Store how) {
+  const int64_t K = w.K, N = w.N, panels = (N + kPanel - 1) / kPanel;
+  const float* weight = static_cast<const float*>(w.data);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = weight + p * K * kPanel;
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
+        rows = tile_rows(M - m0);
+        const float* next = m0 == 0 && p + 1 < end ? panel + K * kPanel : nullptr;
+        const float* xm = x + m0 * K;
+        float* ym = y + m0 * N;
+        switch (rows) {
+          case 1: tile_fp32<1>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
+          case 2: tile_fp32<2>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
+          case 3: tile_fp32<3>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
+          case 4: tile_fp32<4>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
+          case 5: tile_fp32<5>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
+          default: tile_fp32<6>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
+        }
+      }
     }
-  }
+  });
+}
+
+// The fp32 product of one activation row with one output column n, as product_fp32 computes it.
+inline float column_fp32(const float* x, const Weight& w, int64_t n) {
+  const float* col = static_cast<const float*>(w.data) + (n / kPanel) * w.K * kPanel + n % kPanel;
+  float sum = 0.f;
+  for (int64_t k = 0; k < w.K; ++k) sum = std::fma(x[k], col[k * kPanel], sum);
+  return w.bias ? sum + w.bias[n] : sum;
 }
 
 // int32 dot products of quantized rows xq[m] (|xq| <= 127) with int8 weight rows [n0, n0 + rows), kRows at a time:
@@ -123,36 +172,6 @@ void block_int8(const int8_t* xq, int64_t K, const int8_t* w, int64_t n0, int64_
       store(y + m * N + n, out, how);
     }
   }
-}
-
-inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, Store how) {
-  const int64_t K = w.K, N = w.N;
-  const float* weight = static_cast<const float*>(w.data);
-  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kRows, rows = std::min(kRows, N - n0);
-      switch (M) {
-        case 1: block_fp32<1, 8>(x, K, weight, n0, rows, w.bias, y, N, how, true); continue;
-        case 2: block_fp32<2, 8>(x, K, weight, n0, rows, w.bias, y, N, how, true); continue;
-        case 3: block_fp32<3, 8>(x, K, weight, n0, rows, w.bias, y, N, how, true); continue;
-        case 4: block_fp32<4, 8>(x, K, weight, n0, rows, w.bias, y, N, how, true); continue;
-      }
-      for (int64_t half = 0; half < rows; half += 4) {
-        const int64_t n = n0 + half, r = std::min<int64_t>(4, rows - half);
-        for (int64_t m0 = 0, chunk; m0 < M; m0 += chunk) {
-          chunk = std::min<int64_t>(3, M - m0);
-          const float* xm = x + m0 * K;
-          float* ym = y + m0 * N;
-          const bool first = m0 == 0;  // later passes find the block in cache
-          switch (chunk) {
-            case 1: block_fp32<1, 4>(xm, K, weight, n, r, w.bias, ym, N, how, first); break;
-            case 2: block_fp32<2, 4>(xm, K, weight, n, r, w.bias, ym, N, how, first); break;
-            default: block_fp32<3, 4>(xm, K, weight, n, r, w.bias, ym, N, how, first); break;
-          }
-        }
-      }
-    }
-  });
 }
 
 // Each activation row to int8, symmetric, one scale per row (a plain loop: a few ATen ops per call would cost
