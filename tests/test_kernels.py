@@ -42,9 +42,9 @@ def test_fp32_and_int8_products_equal_torch_within_rounding(rows, k, n):
     x_scales = x.abs().amax(dim=1, keepdim=True) / 127
     x_rounded = (x / x_scales).round()
     expected = (x_rounded.double() @ quantized.double().t()) * x_scales.double() * scales.double() + bias.double()
-    assert torch.allclose(kernels.matvec_int8(x, quantized, scales, bias).double(), expected, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(kernels.matvec_int8(x, kernels.int8_blocks(quantized), n, scales, bias).double(), expected, atol=1e-4, rtol=1e-5)
     exact = torch.nn.functional.linear(x.double(), quantized.double() * scales.double()[:, None], bias.double())
-    error = (kernels.matvec_int8(x, quantized, scales, bias).double() - exact).abs().max()
+    error = (kernels.matvec_int8(x, kernels.int8_blocks(quantized), n, scales, bias).double() - exact).abs().max()
     assert error < 0.02 * exact.abs().max()  # and close to the unquantized activations' result
 
 
@@ -60,7 +60,12 @@ def test_leading_dimensions_are_kept_and_bad_input_is_refused():
     with pytest.raises(RuntimeError, match="panels"):
         kernels.matvec(torch.randn(1, 16), kernels.panels(weight), 17)  # more columns than the panels hold
     with pytest.raises(RuntimeError, match="int8"):
-        kernels.matvec_int8(torch.randn(1, 16), weight, torch.ones(5))
+        kernels.matvec_int8(torch.randn(1, 16), weight, 5, torch.ones(5))
+    blocks = kernels.int8_blocks(torch.ones(5, 16, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="last dimension"):
+        kernels.matvec_int8(torch.randn(1, 40), blocks, 5, torch.ones(5))  # K past the blocks' 32 columns
+    with pytest.raises(RuntimeError, match="scale"):
+        kernels.matvec_int8(torch.randn(1, 16), blocks, 5, torch.ones(4))
 
 
 def test_without_the_kernel_the_formats_fall_back_and_give_the_same_tokens(tmp_path):

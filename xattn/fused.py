@@ -65,7 +65,10 @@ class FusedLayers:
                    for c in copies):
             return None
         if any(isinstance(c, PackedLinear) and c.out_features % kernels.PANEL for c in copies):
-            return None  # the kernel takes a panel weight's width from its panel count
+            return None  # the kernel takes a weight's shape from its whole panels or blocks
+        if any(isinstance(c, Int8Linear) and (c.out_features % 8 or c.kernel_weight.shape[1] * 32 != c.in_features)
+               for c in copies):
+            return None
         if len({float(block.ln_1.eps) for block in transformer.h}) != 1:
             return None
         return cls(transformer, projections, scalings, kind)

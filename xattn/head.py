@@ -30,7 +30,7 @@ class GreedyHead:
         err2 = (exact - approx).norm(dim=1)
         l1 = approx.abs().sum(dim=1)
         norm = torch.maximum(exact.norm(dim=1), approx.norm(dim=1))
-        self.screen = quantized.to(torch.int8).contiguous()
+        self.screen = kernels.int8_blocks(quantized.to(torch.int8))
         self.scales = scales
         self.bounds = (torch.stack([err2, l1, norm]) * (1 + 1e-6)).float().contiguous()  # rounded up
 

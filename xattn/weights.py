@@ -69,7 +69,7 @@ class _Copy:
     _handles = itertools.count()
 
     def __init__(self, weight: torch.Tensor):
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.handle = next(_Copy._handles)
         _Copy._live[self.handle] = self
 
@@ -151,12 +151,12 @@ class Int8Linear(_Copy):
             warnings.simplefilter("ignore")
             quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
-        self.kernel_weight = quantized.int_repr().contiguous() if kernels.available() else None  # [out, in]
+        self.kernel_weight = kernels.int8_blocks(quantized.int_repr()) if kernels.available() else None
         self.scales = scales.float()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
         if _small(x, self.kernel_weight, INT8_SMALL_ROWS):
-            return kernels.matvec_int8(x, self.kernel_weight, self.scales, self.bias)
+            return kernels.matvec_int8(x, self.kernel_weight, self.out_features, self.scales, self.bias)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N]. `matvec_int8(x, weight,
-scale, bias=None)`: int8 weight with one scale per row, x quantized to int8 per row inside.
+scale, bias=None)` -> `matvec_int8(x, int8_blocks(weight), N, scale, bias=None)`: int8 weight with one scale per
+row, x quantized to int8 per row inside.
 `decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
 argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). The build lands in
 ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the source and the torch version, so later processes load it at
@@ -50,10 +51,20 @@ def matvec(x: torch.Tensor, weight_panels: torch.Tensor, n: int, bias: torch.Ten
     return torch.ops.xattn_kernels.matvec(x, weight_panels, n, bias)
 
 
-def matvec_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+def int8_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """int8 weight [N, K] -> the kernels' layout [ceil(N / 8), ceil(K / 32), 8, 32]: 8 rows interleaved 32 columns
+    at a time (zeros past N and K), so that a block of rows is one stream."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 8) * 8, -(-k // 32) * 32, dtype=torch.int8)
+    padded[:n, :k] = weight
+    return padded.view(padded.shape[0] // 8, 8, -1, 32).transpose(1, 2).contiguous()
+
+
+def matvec_int8(x: torch.Tensor, blocks: torch.Tensor, n: int, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32, quantized per row to int8 inside, times int8 weight [N, K] with one scale per row."""
-    return torch.ops.xattn_kernels.matvec_int8(x, weight, scale, bias)
+    """x [..., K] fp32, quantized per row to int8 inside, times the int8 weight [n, K] held as int8_blocks(weight),
+    with one scale per row."""
+    return torch.ops.xattn_kernels.matvec_int8(x, blocks, n, scale, bias)
 
 
 def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, packed, keys, values, cross_keys,
@@ -66,7 +77,8 @@ def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, pack
 
 def greedy_tokens(x, weight_panels, bias, screen, scale, bounds, forbidden) -> torch.Tensor:
     """argmax over matvec(x [M, K], weight_panels, N, bias) with the forbidden ids left out, read through the int8
-    copy `screen` [N, K] with proven bounds (see screen.cpp): tokens [M], equal to the full product's argmax."""
+    copy `screen` (int8_blocks) with proven bounds [3, N] (see screen.cpp): tokens [M], equal to the full product's
+    argmax."""
     return torch.ops.xattn_kernels.greedy_tokens(x, weight_panels, bias, screen, scale, bounds, forbidden)
 
 
@@ -124,8 +136,8 @@ def _register_fake() -> None:
         return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("xattn_kernels::matvec_int8")
-    def _(x, weight, scale, bias):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    def _(x, blocks, n, scale, bias):
+        return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("xattn_kernels::greedy_tokens")
     def _(x, weight_panels, bias, screen, scale, bounds, forbidden):

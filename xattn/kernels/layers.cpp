@@ -159,14 +159,17 @@ void attend(const float* q, const float* keys, const float* values, int64_t posi
   weighted_sum(scores.data(), values, positions, hd, exponentiate(scores.data(), positions, peak, mask), out);
 }
 
-// fp32 weights come as panels [N / 16, K, 16] (products.h), int8 ones as [N, K] with one scale per row.
+// fp32 weights come as panels [N / 16, K, 16], int8 ones as blocks [N / 8, K / 32, 8, 32] with one scale per row
+// (products.h): whole panels and blocks, so that N and K follow from the shape.
 Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, size_t i) {
   TORCH_CHECK(w.is_contiguous(), "projection weights must be contiguous");
   const bool int8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 ? w.dim() == 2 : w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(2) == xattn::kPanel,
-              "projection weights must be float32 panels [N / 16, K, 16] or int8 [N, K]");
+  TORCH_CHECK(int8 ? w.dim() == 4 && w.size(2) == xattn::kRows && w.size(3) == xattn::kBytes
+                   : w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(2) == xattn::kPanel,
+              "projection weights must be float32 panels [N / 16, K, 16] or int8 blocks [N / 8, K / 32, 8, 32]");
   TORCH_CHECK(!int8 || i < scales.size(), "int8 weights need their scales");
-  const int64_t N = int8 ? w.size(0) : w.size(0) * xattn::kPanel, K = w.size(1);
+  const int64_t N = int8 ? w.size(0) * xattn::kRows : w.size(0) * xattn::kPanel;
+  const int64_t K = int8 ? w.size(1) * xattn::kBytes : w.size(1);
   return Weight{w.data_ptr(), int8 ? scales[i].data_ptr<float>() : nullptr,
                 i < biases.size() && biases[i].defined() ? biases[i].data_ptr<float>() : nullptr, N, K};
 }

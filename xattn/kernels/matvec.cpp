@@ -1,5 +1,5 @@
 // The products of products.h as torch ops: xattn_kernels::matvec (fp32 weights as panels [ceil(N / 16), K, 16]) and
-// matvec_int8 (int8 weights [N, K], one scale per row), for the projections a decode step runs one at a time.
+// matvec_int8 (int8 weights as blocks [ceil(N / 8), ceil(K / 32), 8, 32], one scale per row), for the projections a decode step runs one at a time.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -35,20 +35,25 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& panels, int64_t N, cons
   return run(x, panels, N, panels.size(1), nullptr, bias);
 }
 
-at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
   check_x(x);
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar,
-              "weight must be a contiguous int8 [N, K] tensor");
-  TORCH_CHECK(scale.numel() == weight.size(0), "one scale per weight row");
-  return run(x, weight, weight.size(0), weight.size(1), scale.data_ptr<float>(), bias);
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(blocks.dim() == 4 && blocks.size(2) == 8 && blocks.size(3) == 32 && blocks.is_contiguous() &&
+                  blocks.scalar_type() == at::kChar && N > 0 && blocks.size(0) == (N + 7) / 8 &&
+                  blocks.size(1) == (K + 31) / 32,
+              "weight must be contiguous int8 blocks [ceil(N / 8), ceil(K / 32), 8, 32] (xattn.kernels.int8_blocks) "
+              "for x's last dimension");
+  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == at::kFloat, "scale must be float32 [N]");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N elements");
+  return run(x, blocks, N, K, scale.data_ptr<float>(), bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
   m.def("matvec(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
-  m.def("matvec_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("matvec_int8(Tensor x, Tensor blocks, int n, Tensor scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) {

@@ -3,8 +3,8 @@
 // A decode step at batch 1-8 streams every weight once, so its speed is memory bandwidth; at 32 rows (8 inputs x 4
 // beams) it is bound by the FMA units. fp32 weights are stored in 16-column panels (see product_fp32) read as one
 // stream with the next panel prefetched, which reaches the bandwidth of a plain sum at one row and ~70% of the FMA
-// peak at 32; int8 weights are [N, K] row-major (nn.Linear's layout) with one fp32 scale per row, walked 8 rows at a
-// time: each activation row is quantized to int8 (symmetric, one scale per row) and bytes are multiplied with
+// peak at 32; int8 weights, one fp32 scale per row, are stored in blocks of 8 interleaved rows (see block_int8) read
+// the same way: each activation row is quantized to int8 (symmetric, one scale per row) and bytes are multiplied with
 // vpmaddubsw, x's sign moved onto w so that |x| can be the unsigned operand. All run on torch's thread pool.
 #pragma once
 
@@ -24,7 +24,7 @@ constexpr int64_t kRows = 8;  // weight rows per block
 enum class Store { kSet, kAdd };
 
 struct Weight {
-  const void* data;    // fp32 panels [ceil(N / 16), K, 16], or int8 [N, K]
+  const void* data;    // fp32 panels [ceil(N / 16), K, 16], or int8 blocks [ceil(N / 8), ceil(K / 32), 8, 32]
   const float* scale;  // [N] for int8 weights, nullptr for fp32
   const float* bias;   // [N] or nullptr
   int64_t N, K;
@@ -134,28 +134,32 @@ inline float column_fp32(const float* x, const Weight& w, int64_t n) {
   return w.bias ? sum + w.bias[n] : sum;
 }
 
-// int32 dot products of quantized rows xq[m] (|xq| <= 127) with int8 weight rows [n0, n0 + rows), kRows at a time:
-// |x| (unsigned) times w with x's sign moved onto it; pairs of products (<= 2 * 127 * 127) fit int16.
+// int8 weights are blocks [ceil(N / 8), ceil(K / 32), 8, 32]: 8 rows interleaved 32 bytes at a time (zeros past N
+// and K), so a block is one 8 x K stream and the next block can be prefetched as this one is read.
+constexpr int64_t kBytes = 32;  // int8 columns per step of a block
+inline int64_t padded_k(int64_t K) { return (K + kBytes - 1) / kBytes * kBytes; }
+
+// int32 dot products of quantized rows xq[m] (|xq| <= 127, K32 long) with the 8 rows of one int8 block: |x|
+// (unsigned) times w with x's sign moved onto it; pairs of products (<= 2 * 127 * 127) fit int16.
 template <int M>
-void block_int8(const int8_t* xq, int64_t K, const int8_t* w, int64_t n0, int64_t rows, const float* x_scale,
-                const float* scale, const float* bias, float* y, int64_t N, Store how) {
+void block_int8(const int8_t* xq, int64_t K32, const int8_t* block, const int8_t* next, int64_t n0, int64_t rows,
+                const float* x_scale, const float* scale, const float* bias, float* y, int64_t N, Store how) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[M][kRows];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_si256();
-  const int64_t k32 = K - K % 32;
-  const int8_t* base = w + n0 * K;
-  for (int64_t k = 0; k < k32; k += 32) {
-    if (k % 64 == 0)  // one cache line of each row of the next block
-      for (int r = 0; r < kRows; ++r) _mm_prefetch(reinterpret_cast<const char*>(base + (kRows + r) * K + k), _MM_HINT_T0);
+  for (int64_t k = 0; k < K32; k += kBytes) {
+    const int8_t* step = block + k * kRows;
+    if (next)
+      for (int64_t line = 0; line < kRows * kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * kRows + line), _MM_HINT_T1);
     __m256i xv[M], xa[M];
     for (int m = 0; m < M; ++m) {
-      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k));
+      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K32 + k));
       xa[m] = _mm256_abs_epi8(xv[m]);
     }
     for (int r = 0; r < kRows; ++r) {
-      if (r >= rows) break;
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + r * K + k));
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + r * kBytes));
       for (int m = 0; m < M; ++m) {
         const __m256i pairs = _mm256_maddubs_epi16(xa[m], _mm256_sign_epi8(wv, xv[m]));
         acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(pairs, ones));
@@ -165,43 +169,44 @@ void block_int8(const int8_t* xq, int64_t K, const int8_t* w, int64_t n0, int64_
   for (int r = 0; r < rows; ++r) {
     const int64_t n = n0 + r;
     for (int m = 0; m < M; ++m) {
-      int32_t sum = hsum_epi32(acc[m][r]);
-      for (int64_t k = k32; k < K; ++k) sum += int32_t(xq[m * K + k]) * int32_t(base[r * K + k]);
-      float out = float(sum) * x_scale[m] * scale[n];
+      float out = float(hsum_epi32(acc[m][r])) * x_scale[m] * scale[n];
       if (bias) out += bias[n];
       store(y + m * N + n, out, how);
     }
   }
 }
 
-// Each activation row to int8, symmetric, one scale per row (a plain loop: a few ATen ops per call would cost
-// more than the product at one row).
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* x_scale) {
+// Each activation row to int8 [M, K32] (zeros past K), symmetric, one scale per row (a plain loop: a few ATen ops
+// per call would cost more than the product at one row).
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t K32, int8_t* xq, float* x_scale) {
   for (int64_t m = 0; m < M; ++m) {
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[m * K + k]));
     x_scale[m] = amax > 0.f ? amax / 127.f : 1.f;
     const float inv = 1.f / x_scale[m];
-    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int8_t>(std::nearbyint(x[m * K + k] * inv));
+    for (int64_t k = 0; k < K; ++k) xq[m * K32 + k] = static_cast<int8_t>(std::nearbyint(x[m * K + k] * inv));
+    for (int64_t k = K; k < K32; ++k) xq[m * K32 + k] = 0;
   }
 }
 
 inline void product_int8(const float* x, int64_t M, const Weight& w, float* y, Store how) {
-  const int64_t K = w.K, N = w.N;
-  std::vector<int8_t> xq(M * K);
+  const int64_t K = w.K, N = w.N, K32 = padded_k(K), blocks = (N + kRows - 1) / kRows;
+  std::vector<int8_t> xq(M * K32);
   std::vector<float> x_scale(M);
-  quantize_rows(x, M, K, xq.data(), x_scale.data());
+  quantize_rows(x, M, K, K32, xq.data(), x_scale.data());
   const int8_t* q = xq.data();
   const int8_t* weight = static_cast<const int8_t*>(w.data);
   const float* xs = x_scale.data();
-  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kRows, rows = std::min(kRows, N - n0);
+      const int8_t* block = weight + blk * kRows * K32;
       for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        const int8_t* next = m0 == 0 && blk + 1 < end ? block + kRows * K32 : nullptr;
         if (M - m0 >= 2)
-          block_int8<2>(q + m0 * K, K, weight, n0, rows, xs + m0, w.scale, w.bias, y + m0 * N, N, how);
+          block_int8<2>(q + m0 * K32, K32, block, next, n0, rows, xs + m0, w.scale, w.bias, y + m0 * N, N, how);
         else
-          block_int8<1>(q + m0 * K, K, weight, n0, rows, xs + m0, w.scale, w.bias, y + m0 * N, N, how);
+          block_int8<1>(q + m0 * K32, K32, block, next, n0, rows, xs + m0, w.scale, w.bias, y + m0 * N, N, how);
       }
     }
   });

@@ -49,12 +49,13 @@ at::Tensor greedy_tokens(const at::Tensor& x, const at::Tensor& panels, const c1
                          const at::Tensor& screen, const at::Tensor& scale, const at::Tensor& bounds,
                          const at::Tensor& forbidden) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = screen.size(0);
-  TORCH_CHECK(screen.dim() == 2 && screen.size(1) == K && screen.scalar_type() == at::kChar && screen.is_contiguous(),
-              "screen must be the head's int8 copy [N, K] with x's K");
+  const int64_t M = x.size(0), K = x.size(1), N = bounds.size(-1);
+  TORCH_CHECK(screen.dim() == 4 && screen.size(0) == (N + 7) / 8 && screen.size(1) == (K + 31) / 32 &&
+                  screen.scalar_type() == at::kChar && screen.is_contiguous(),
+              "screen must be the head's int8 blocks [ceil(N / 8), ceil(K / 32), 8, 32] with x's K");
   TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (N + 15) / 16 && panels.size(1) == K && panels.size(2) == 16 &&
                   panels.scalar_type() == at::kFloat && panels.is_contiguous(),
-              "panels must be the head's fp32 panels [ceil(N / 16), K, 16]");
+              "panels must be the head's fp32 panels [ceil(N / 16), K, 16] with x's K");
   TORCH_CHECK(scale.numel() == N && scale.scalar_type() == at::kFloat, "scale must be float32 [N]");
   TORCH_CHECK(bounds.dim() == 2 && bounds.size(0) == 3 && bounds.size(1) == N && bounds.scalar_type() == at::kFloat &&
                   bounds.is_contiguous(), "bounds must be contiguous float32 [3, N]");
@@ -79,33 +80,37 @@ at::Tensor greedy_tokens(const at::Tensor& x, const at::Tensor& panels, const c1
   xattn::product(x.data_ptr<float>(), M, w8, approx.data());
 
   at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
-  std::vector<float> slack(N);
-  std::vector<int64_t> candidates;
-  std::vector<float> scores;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x.data_ptr<float>() + m * K;
-    const float* am = approx.data() + m * N;
-    const float xn = row_norm(xm, K), half_step = row_scale(xm, K) * 0.5f * (1.f + 4 * kUlp);
-    const float rounding = (K + 16) * kUlp * (xn + std::sqrt(float(K)) * 2.f * half_step);
-    float floor = -INFINITY;  // the best token's fp32 score is at least this
-    for (int64_t n = 0; n < N; ++n) {
-      slack[n] = xn * err2[n] + half_step * l1[n] + rounding * norm[n] + (bias ? kUlp * std::abs(bias[n]) : 0.f);
-      if (allowed[n]) floor = std::max(floor, am[n] - slack[n]);
-    }
-    candidates.clear();
-    for (int64_t n = 0; n < N; ++n)
-      if (allowed[n] && am[n] + slack[n] >= floor) candidates.push_back(n);
-    if (candidates.empty())  // NaN or inf scores: no bound holds, so every allowed token is scored
+  int64_t* chosen = tokens.data_ptr<int64_t>();
+  // rows in parallel; a single row scores its candidates in parallel instead
+  at::parallel_for(0, M, 1, [&](int64_t row_begin, int64_t row_end) {
+    std::vector<int64_t> candidates;
+    std::vector<float> scores;
+    for (int64_t m = row_begin; m < row_end; ++m) {
+      const float* xm = x.data_ptr<float>() + m * K;
+      const float* am = approx.data() + m * N;
+      const float xn = row_norm(xm, K), half_step = row_scale(xm, K) * 0.5f * (1.f + 4 * kUlp);
+      const float rounding = (K + 16) * kUlp * (xn + std::sqrt(float(K)) * 2.f * half_step);
+      auto slack = [&](int64_t n) {
+        return xn * err2[n] + half_step * l1[n] + rounding * norm[n] + (bias ? kUlp * std::abs(bias[n]) : 0.f);
+      };
+      float floor = -INFINITY;  // the best token's fp32 score is at least this
       for (int64_t n = 0; n < N; ++n)
-        if (allowed[n]) candidates.push_back(n);
-    scores.resize(candidates.size());
-    at::parallel_for(0, static_cast<int64_t>(candidates.size()), 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) scores[i] = xattn::column_fp32(xm, w32, candidates[i]);
-    });
-    Best best;
-    for (size_t i = 0; i < candidates.size(); ++i) best.offer(candidates[i], scores[i]);
-    tokens.data_ptr<int64_t>()[m] = best.index < 0 ? 0 : best.index;
-  }
+        if (allowed[n]) floor = std::max(floor, am[n] - slack(n));
+      candidates.clear();
+      for (int64_t n = 0; n < N; ++n)
+        if (allowed[n] && am[n] + slack(n) >= floor) candidates.push_back(n);
+      if (candidates.empty())  // NaN or inf scores: no bound holds, so every allowed token is scored
+        for (int64_t n = 0; n < N; ++n)
+          if (allowed[n]) candidates.push_back(n);
+      scores.resize(candidates.size());
+      at::parallel_for(0, static_cast<int64_t>(candidates.size()), 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) scores[i] = xattn::column_fp32(xm, w32, candidates[i]);
+      });
+      Best best;
+      for (size_t i = 0; i < candidates.size(); ++i) best.offer(candidates[i], scores[i]);
+      chosen[m] = best.index < 0 ? 0 : best.index;
+    }
+  });
   return tokens;
 }
 
