@@ -70,6 +70,19 @@ def test_copies_leave_the_transformers_model_alone_and_an_int8_encoder_is_a_copy
     assert (converted(x) - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
 
 
+def test_an_int8_encoder_brings_int8_cross_key_values_close_to_the_exact_ones():
+    model = tiny_captioner(seed=46)
+    exact = xattn.from_hf(model)
+    engine = exact.with_weights("packed", encoder_weights="int8")
+    assert (exact.decoder.cross_weights, engine.decoder.cross_weights) == ("exact", "int8")
+    assert exact.with_weights("packed").decoder.cross_weights == "exact"
+    states = torch.randn(2, 17, 32, generator=torch.Generator().manual_seed(8))
+    for got, want in zip(engine.decoder.cross_key_values(states), exact.decoder.cross_key_values(states)):
+        assert not torch.equal(got, want) and (got - want).abs().max() < 0.05 * want.abs().max()
+    with pytest.raises(ValueError, match="choose one of"):
+        exact.decoder.with_weights("packed", cross_weights="int4")
+
+
 def test_exact_weights_are_the_models_own_tensors_not_copies():
     model = tiny_captioner(seed=45)
     decoder = xattn.from_hf(model).decoder

@@ -45,13 +45,16 @@ class GPT2CrossAttentionDecoder(nn.Module):
         embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
         weights: str = "exact",
+        cross_weights: str = "exact",
     ):
         super().__init__()
         config = transformer.config
         self.weights = weight_formats.check_kind(weights)
-        if weights != "exact" and transformer.ln_f.weight.device.type != "cpu":
-            raise ValueError(f"weights={weights!r} runs on CPU only; use weights='exact' on "
-                             f"{transformer.ln_f.weight.device}")
+        self.cross_weights = weight_formats.check_kind(cross_weights)
+        for name, kind in (("weights", weights), ("cross_weights", cross_weights)):
+            if kind != "exact" and transformer.ln_f.weight.device.type != "cpu":
+                raise ValueError(f"{name}={kind!r} runs on CPU only; use {name}='exact' on "
+                                 f"{transformer.ln_f.weight.device}")
         self.transformer = transformer
         self.lm_head = lm_head
         self.custom_embed = embed
@@ -69,6 +72,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
                 scaling /= float(layer_idx + 1)
             self.scalings.append(scaling)
         self.projections = [self._block_projections(block, weights) for block in transformer.h]
+        self.cross_kv = [weight_formats.conv1d(block.crossattention.c_attn, cross_weights)
+                         for block in transformer.h if hasattr(block, "crossattention")]
         # exact: transformers' own attention and activation ops, for identical logits; otherwise the
         # cheaper forms of the same math (a decode step's query is one row: SDPA's kernel costs more than it)
         self.attention = F.scaled_dot_product_attention if weights == "exact" else _plain_attention
@@ -89,10 +94,10 @@ class GPT2CrossAttentionDecoder(nn.Module):
             proj.update(cross_q=block.crossattention.q_attn, cross_out=block.crossattention.c_proj)
         return {name: weight_formats.conv1d(conv, kind) for name, conv in proj.items()}
 
-    def with_weights(self, weights: str) -> GPT2CrossAttentionDecoder:
+    def with_weights(self, weights: str, cross_weights: str = "exact") -> GPT2CrossAttentionDecoder:
         """The same decoder (same transformers modules) with its projections in another format."""
         return GPT2CrossAttentionDecoder(self.transformer, self.lm_head, embed=self.custom_embed,
-                                         head=self.custom_head, weights=weights)
+                                         head=self.custom_head, weights=weights, cross_weights=cross_weights)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -140,8 +145,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
         shape = (self.num_layers, b, self.num_heads, s, self.head_dim)
         keys = encoder_hidden_states.new_empty(shape)
         values = encoder_hidden_states.new_empty(shape)
-        for layer_idx, block in enumerate(self.blocks):
-            kv = weight_formats.ExactConv1D(block.crossattention.c_attn)(encoder_hidden_states)  # (B, S, 2*D)
+        for layer_idx, projection in enumerate(self.cross_kv):
+            kv = projection(encoder_hidden_states)  # (B, S, 2*D)
             k, v = kv.view(b, s, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, S, hd)
             keys[layer_idx], values[layer_idx] = k, v
         return keys, values
