@@ -183,3 +183,10 @@ def test_debug_shows_the_traceback_and_plain_shows_one_line(tmp_path):
     debug = subprocess.run([sys.executable, script, missing, "--debug"], capture_output=True, text=True)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr and "no such file" in plain.stderr
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_bench_refuses_an_unknown_row_with_the_choices(capsys):
+    from xattn.cli import main
+
+    assert main(["bench", "--rows", "B=3 beam 2", "--no-ctranslate2"]) == 2
+    assert "unknown --rows ['B=3 beam 2']" in capsys.readouterr().err

@@ -14,6 +14,12 @@ def _bench(args) -> int:
     from .bench import decode as bench
 
     rows = list(bench.ROWS)[:1] if args.quick else list(bench.ROWS)
+    if args.rows:
+        unknown = [row for row in args.rows if row not in bench.ROWS]
+        if unknown:
+            print(f"xattn bench: unknown --rows {unknown}; choose from {list(bench.ROWS)}", file=sys.stderr)
+            return 2
+        rows = args.rows
     short, long = (4, 8) if args.quick else (args.short, args.long)
     results = bench.run(rows=rows, short=short, long=long, repeats=args.repeats, compiled=args.compile,
                         threads=args.threads, ctranslate2=not args.no_ctranslate2)
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="decode speed side by side with transformers and CTranslate2 "
                                 "(ViT-B/16 + GPT-2 small)")
     bench.add_argument("--quick", action="store_true", help="one row (B=1 greedy), short runs")
+    bench.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows, e.g. --rows 'B=8 beam 4'")
     bench.add_argument("--compile", action="store_true", help="add the torch.compile'd decode step, its compile "
                        "time, and a second process reusing the compile cache")
     bench.add_argument("--end-to-end", action="store_true", help="add images/s captioning 64 images in batches of 16")
