@@ -128,9 +128,11 @@ def test_bad_input_to_the_kernel_is_refused():
     rest = (cache.keys, cache.values, cache.cross_keys, cache.cross_values, None, None)
     hidden = torch.randn(1, 32)
     with pytest.raises(RuntimeError, match="expected 12 weights"):
-        kernels.decoder_layers(hidden, *args, weights[:-1], scales, biases, packed, *rest, torch.tensor(0), fused.scalings, 1e-5)
+        kernels.decoder_layers(hidden, *args, weights[:-1], scales, biases, packed, *rest, torch.tensor(0),
+                               fused.scalings, 1e-5)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        kernels.decoder_layers(hidden, *args, weights, scales, biases, packed, *rest, torch.tensor(8), fused.scalings, 1e-5)
+        kernels.decoder_layers(hidden, *args, weights, scales, biases, packed, *rest, torch.tensor(8),
+                               fused.scalings, 1e-5)
     with pytest.raises(RuntimeError, match="rows or width"):
         kernels.decoder_layers(torch.randn(2, 32), *args, weights, scales, biases, packed, *rest, torch.tensor(0),
                                fused.scalings, 1e-5)

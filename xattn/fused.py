@@ -1,8 +1,8 @@
 """A decode step through all of the decoder's blocks in one call of xattn's kernel (xattn/kernels/layers.cpp).
 
 Used by the "packed" and "int8" weight formats at up to 64 rows, where the ~30 small torch ops per block (layer
-norms, attention, residuals) would add ~3 ms of dispatch to a step that is otherwise its weights' products. The same math
-as the decoder's own blocks, in another order of summation: logits differ by rounding only.
+norms, attention, residuals) would add ~3 ms of dispatch to a step that is otherwise its weights' products. The same
+math as the decoder's own blocks, in another order of summation: logits differ by rounding only.
 """
 
 from __future__ import annotations
