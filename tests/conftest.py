@@ -20,6 +20,19 @@ VOCAB = 99
 BOS, EOS, PAD = 1, 2, 0
 
 
+def count_calls(monkeypatch, module, name: str) -> list[int]:
+    """Replace module.name with a wrapper that records each call's first argument's row count (which path ran)."""
+    calls = []
+    real = getattr(module, name)
+
+    def counted(x, *args):
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def gpt2_config(**overrides) -> GPT2Config:
     kwargs = dict(
         n_embd=32, n_layer=2, n_head=4, n_inner=None, vocab_size=VOCAB, n_positions=64, add_cross_attention=True,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import xattn
-from conftest import tiny_captioner, tiny_gpt2
+from conftest import count_calls, tiny_captioner, tiny_gpt2
 from xattn import kernels
 from xattn.decoder import GPT2CrossAttentionDecoder
 from xattn.fused import MAX_ROWS
@@ -17,15 +17,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs xattn's k
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the fused kernel's calls, so a test knows which path ran."""
-    calls = []
-    real = kernels.decoder_layers
-
-    def counted(hidden, *args):
-        calls.append(hidden.shape[0])
-        return real(hidden, *args)
-
-    monkeypatch.setattr(kernels, "decoder_layers", counted)
-    return calls
+    return count_calls(monkeypatch, kernels, "decoder_layers")
 
 
 def _caches(decoder, rows, states=None, mask=None, select=None):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import xattn
-from conftest import tiny_captioner
+from conftest import count_calls, tiny_captioner
 from xattn import head as greedy_head
 from xattn import kernels
 from xattn.head import GreedyHead
@@ -82,20 +82,8 @@ def test_bad_input_is_refused():
         screened(torch.randn(1, 31), NONE)
 
 
-def _count_calls(monkeypatch):
-    calls = []
-    real = kernels.greedy_tokens
-
-    def counted(x, *args):
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(kernels, "greedy_tokens", counted)
-    return calls
-
-
 def test_generate_with_the_screened_head_gives_transformers_tokens(monkeypatch):
-    calls = _count_calls(monkeypatch)
+    calls = count_calls(monkeypatch, kernels, "greedy_tokens")
     model = tiny_captioner(seed=61)
     engine = xattn.from_hf(model, weights="packed")
     for rows in (1, 3, greedy_head.MAX_ROWS + 2):

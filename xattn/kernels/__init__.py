@@ -1,9 +1,9 @@
-"""xattn's own CPU kernels (products.h, matvec.cpp, layers.cpp), compiled on first use with the system's g++
-against torch's headers.
+"""xattn's own CPU kernels (products.h, matvec.cpp, layers.cpp, screen.cpp), compiled on first use with the system's
+g++ against torch's headers.
 
-`matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N]. `matvec_int8(x, weight,
-scale, bias=None)` -> `matvec_int8(x, int8_blocks(weight), N, scale, bias=None)`: int8 weight with one scale per
-row, x quantized to int8 per row inside.
+`matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
+`matvec_int8(x, int8_blocks(weight), N, scale, bias=None)`: int8 weight with one scale per row, x quantized to int8
+per row inside.
 `decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
 argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). The build lands in
 ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the source and the torch version, so later processes load it at

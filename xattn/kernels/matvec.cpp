@@ -1,5 +1,6 @@
 // The products of products.h as torch ops: xattn_kernels::matvec (fp32 weights as panels [ceil(N / 16), K, 16]) and
-// matvec_int8 (int8 weights as blocks [ceil(N / 8), ceil(K / 32), 8, 32], one scale per row), for the projections a decode step runs one at a time.
+// matvec_int8 (int8 weights as blocks [ceil(N / 8), ceil(K / 32), 8, 32], one scale per row), for the projections a
+// decode step runs one at a time.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

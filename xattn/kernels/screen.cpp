@@ -3,8 +3,9 @@
 //
 // The LM head is ~28% of a GPT-2 decode step's weights (50257 x 768 fp32: 154 MB). Greedy search needs only the
 // argmax, so the head is first read as int8 (39 MB) and each score gets a proven bound on its distance from the
-// fp32 kernel's value; only tokens whose bound reaches the best lower bound are computed in fp32, by the same block
-// products as the full head (products.h), so the chosen token is the full fp32 argmax, ties to the lowest index.
+// fp32 kernel's value; only tokens whose bound reaches the best lower bound are computed in fp32, summed in the same
+// order as the full head's product (products.h's column_fp32), so the chosen token is the full fp32 argmax, ties to
+// the lowest index.
 //
 // Bound for token v and activation row x (w: the fp32 row, q: its int8 copy times its scale, x_q: x rounded to
 // int8 as the product does, half a step of x_scale at most per element):
