@@ -63,12 +63,17 @@ class XattnModel:
         """The same model with the decoder's projections in another format ("exact", "packed", "bf16",
         "int8"; see xattn.weights). The encoder is shared, unless encoder_weights names a format: then its
         linear layers and the decoder's cross-attention K/V projection are copied into that format (a batch's
-        encoder pass is bound by compute, and int8 products are faster; fp32 formats gain nothing there)."""
+        encoder pass is bound by compute, and int8 products are faster). A ViT encoder in "packed" or "int8" then
+        runs through xattn's kernel (xattn.vit); other encoders keep their modules, with converted linears."""
+        from . import vit
         from .weights import convert_linears
 
         encoder, cross_weights = self.encoder, encoder_weights or "exact"
         if cross_weights != "exact" and encoder is not None:
-            encoder = convert_linears(encoder, cross_weights)
+            if vit.supports(encoder, cross_weights):
+                encoder = vit.ViTEncoder(encoder, cross_weights)
+            else:
+                encoder = convert_linears(encoder, cross_weights)
         return XattnModel(self.decoder.with_weights(weights, cross_weights), encoder=encoder,
                           enc_to_dec_proj=self.enc_to_dec_proj, generation_config=self.generation_config,
                           hf_model=self.hf_model)

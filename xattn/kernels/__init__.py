@@ -1,11 +1,12 @@
-"""xattn's own CPU kernels (products.h, matvec.cpp, layers.cpp, screen.cpp), compiled on first use with the system's
-g++ against torch's headers.
+"""xattn's own CPU kernels (products.h, rowwise.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp), compiled on
+first use with the system's g++ against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
 `matvec_int8(x, int8_blocks(weight), N, scale, bias=None)`: int8 weight with one scale per row, x quantized to int8
 per row inside.
 `decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
-argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). The build lands in
+argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). `encoder_layers(...)`: a
+batch through every ViT layer (see encoder.cpp). The build lands in
 ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the source and the torch version, so later processes load it at
 once. `available()` is False where it cannot be built or run (no g++, no AVX2/FMA, not x86-64,
 XATTN_NO_KERNELS=1); callers then use torch's kernels.
@@ -23,8 +24,8 @@ import warnings
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in ("matvec.cpp", "layers.cpp", "screen.cpp")]
-_HEADERS = [os.path.join(_HERE, "products.h")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h")]
 _state: dict = {}
 
 
@@ -73,6 +74,13 @@ def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, pack
     return torch.ops.xattn_kernels.decoder_layers(
         hidden, norm_weight, norm_bias, weights, scales, biases, packed, keys, values, cross_keys, cross_values,
         cross_mask, enc_index, position, scalings, eps)
+
+
+def encoder_layers(hidden, norm_weight, norm_bias, weights, biases, packed, heads, eps, workspace) -> None:
+    """hidden [B, S, D] through every pre-norm ViT layer in place, the intermediate results in `workspace` (see
+    encoder.cpp)."""
+    torch.ops.xattn_kernels.encoder_layers(hidden, norm_weight, norm_bias, weights, biases, packed, heads, eps,
+                                           workspace)
 
 
 def greedy_tokens(x, weight_panels, bias, screen, scale, bounds, forbidden) -> torch.Tensor:

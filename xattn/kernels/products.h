@@ -101,6 +101,19 @@ void tile_fp32(const float* x, int64_t K, const float* panel, const float* next,
 // Rows per tile: 6 while 10 or more are left (or exactly 6), then two tiles of about half the rest.
 inline int64_t tile_rows(int64_t left) { return left >= 10 || left <= 6 ? std::min<int64_t>(6, left) : (left + 1) / 2; }
 
+// tile_fp32 for rows = 1..6 rows of x (row stride K) against one panel; y's rows are N apart.
+inline void tile_fp32_rows(int64_t rows, const float* x, int64_t K, const float* panel, const float* next, int64_t n0,
+                           int64_t cols, const float* bias, float* y, int64_t N, Store how) {
+  switch (rows) {
+    case 1: return tile_fp32<1>(x, K, panel, next, n0, cols, bias, y, N, how);
+    case 2: return tile_fp32<2>(x, K, panel, next, n0, cols, bias, y, N, how);
+    case 3: return tile_fp32<3>(x, K, panel, next, n0, cols, bias, y, N, how);
+    case 4: return tile_fp32<4>(x, K, panel, next, n0, cols, bias, y, N, how);
+    case 5: return tile_fp32<5>(x, K, panel, next, n0, cols, bias, y, N, how);
+    default: return tile_fp32<6>(x, K, panel, next, n0, cols, bias, y, N, how);
+  }
+}
+
 inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, Store how) {
   const int64_t K = w.K, N = w.N, panels = (N + kPanel - 1) / kPanel;
   const float* weight = static_cast<const float*>(w.data);
@@ -111,16 +124,7 @@ inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, S
       for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
         rows = tile_rows(M - m0);
         const float* next = m0 == 0 && p + 1 < end ? panel + K * kPanel : nullptr;
-        const float* xm = x + m0 * K;
-        float* ym = y + m0 * N;
-        switch (rows) {
-          case 1: tile_fp32<1>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
-          case 2: tile_fp32<2>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
-          case 3: tile_fp32<3>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
-          case 4: tile_fp32<4>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
-          case 5: tile_fp32<5>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
-          default: tile_fp32<6>(xm, K, panel, next, n0, cols, w.bias, ym, N, how); break;
-        }
+        tile_fp32_rows(rows, x + m0 * K, K, panel, next, n0, cols, w.bias, y + m0 * N, N, how);
       }
     }
   });

@@ -1,0 +1,107 @@
+"""A transformers ViTModel's inference pass through xattn's kernel: every layer in one call per batch.
+
+The patch embeddings and the final layer norm stay transformers' own modules; the layers run in
+xattn_kernels::encoder_layers (kernels/encoder.cpp) with int8 (fbgemm, as weights="int8" runs them elsewhere) or fp32
+projections, their intermediate results in a workspace kept between calls: on these machines the page faults of
+torch's fresh output tensors cost a quarter of an int8 batch's encoder time. Outputs differ from transformers' by
+rounding (fp32) or by the int8 products' error.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from . import kernels
+from .weights import Int8Linear
+
+# a layer's projections, in the kernel's order, under transformers 5.x's names and 4.x's
+_PROJECTIONS = {
+    "5": (("attention.q_proj", "attention.k_proj", "attention.v_proj"), "attention.o_proj", "mlp.fc1", "mlp.fc2"),
+    "4": (("attention.attention.query", "attention.attention.key", "attention.attention.value"),
+          "attention.output.dense", "intermediate.dense", "output.dense"),
+}
+KINDS = ("packed", "int8")
+
+
+def supports(encoder: nn.Module, kind: str) -> bool:
+    """Whether ViTEncoder can run this encoder in this weight format."""
+    config = getattr(encoder, "config", None)
+    return (kind in KINDS and kernels.available() and type(encoder).__name__ == "ViTModel"
+            and getattr(config, "hidden_act", None) == "gelu" and _naming(_layers(encoder)[0]) is not None)
+
+
+def _layers(encoder: nn.Module):
+    return encoder.layers if hasattr(encoder, "layers") else encoder.encoder.layer
+
+
+def _naming(layer: nn.Module) -> str | None:
+    names = dict(layer.named_modules())
+    for version, (qkv, *rest) in _PROJECTIONS.items():
+        if all(name in names for name in (*qkv, *rest)):
+            return version
+    return None
+
+
+class ViTEncoder(nn.Module):
+    """Stands in for a ViTModel at inference: `encoder(pixel_values)[0]` is its last_hidden_state [B, S, D]."""
+
+    def __init__(self, vit: nn.Module, kind: str):
+        super().__init__()
+        if not supports(vit, kind):
+            raise ValueError(f"ViTEncoder runs a transformers ViTModel with GELU in formats {KINDS} (with xattn's "
+                             f"kernels built); got {type(vit).__name__}, weights={kind!r}")
+        self.config, self.kind = vit.config, kind
+        self.embeddings, self.layernorm = vit.embeddings, vit.layernorm
+        layers = _layers(vit)
+        qkv_names, *rest = _PROJECTIONS[_naming(layers[0])]
+        weights, biases, self._int8 = [], [], []
+        for layer in layers:
+            modules = dict(layer.named_modules())
+            qkv = [modules[name] for name in qkv_names]
+            projections = [(torch.cat([m.weight for m in qkv]), _cat_biases(qkv))]
+            projections += [(modules[name].weight, _cat_biases([modules[name]])) for name in rest]
+            for weight, bias in projections:
+                weight, bias = weight.detach().float().clone(), bias.detach().float().clone()
+                if kind == "int8":  # one quantization per output row, so the fused qkv equals three separate ones
+                    self._int8.append(Int8Linear(weight, bias))
+                else:
+                    weights.append(weight)
+                    biases.append(bias)
+        self._weights, self._biases = weights, biases
+        self._packed = [linear.packed for linear in self._int8]
+        norms = [(layer.layernorm_before, layer.layernorm_after) for layer in layers]
+        self._norm_weight = torch.stack([torch.stack([a.weight, b.weight]) for a, b in norms]).detach().float()
+        self._norm_bias = torch.stack([torch.stack([a.bias, b.bias]) for a, b in norms]).detach().float()
+        self._eps = norms[0][0].eps
+        self._heads = vit.config.num_attention_heads
+        self._inner = projections[2][0].shape[0]
+        self._workspace: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    @torch.no_grad()
+    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False) -> tuple[torch.Tensor]:
+        pixel_values = pixel_values.to(self.embeddings.patch_embeddings.projection.weight.dtype)
+        hidden = self.embeddings(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
+        hidden = hidden.float().contiguous()
+        with self._lock:  # one workspace: a concurrent call waits rather than double the memory
+            kernels.encoder_layers(hidden, self._norm_weight, self._norm_bias, self._weights, self._biases,
+                                   self._packed, self._heads, self._eps, self._workspace_for(hidden))
+        return (self.layernorm(hidden),)
+
+    def _workspace_for(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """x, qkv, ctx, tmp [M, D or 3D] and ff [M, F] for M = B * S rows, kept for the next batch of this size."""
+        rows, width = hidden.shape[0] * hidden.shape[1], hidden.shape[2]
+        if not self._workspace or self._workspace[0].shape[0] != rows:
+            self._workspace = []  # the old one freed first
+            self._workspace = [torch.empty(rows, n) for n in (width, 3 * width, width, width, self._inner)]
+        return self._workspace
+
+    def extra_repr(self) -> str:
+        return f"layers={self._norm_weight.shape[0]}, heads={self._heads}, weights={self.kind}"
+
+
+def _cat_biases(modules: list[nn.Linear]) -> torch.Tensor:
+    return torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in modules])
