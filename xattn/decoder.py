@@ -19,6 +19,8 @@ from .cache import CrossAttentionCache
 from .fused import FusedLayers
 from .head import GreedyHead
 
+_CROSS_BLOCK_FLOATS = 1 << 20  # cross K/V projected per block of at most this many outputs (4 MB), at least one row
+
 
 def _layer_norm(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
     return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
@@ -145,10 +147,16 @@ class GPT2CrossAttentionDecoder(nn.Module):
         shape = (self.num_layers, b, self.num_heads, s, self.head_dim)
         keys = encoder_hidden_states.new_empty(shape)
         values = encoder_hidden_states.new_empty(shape)
+        # copies project a few encoder rows at a time: outputs that small are served again from malloc's heap,
+        # where a whole batch's (19 MB a layer for 16 ViT-B images) is mapped and faulted in anew each time.
+        # "exact" projects the batch at once, as transformers does.
+        group = b if self.cross_weights == "exact" else max(1, _CROSS_BLOCK_FLOATS // (s * 2 * self.hidden_size))
         for layer_idx, projection in enumerate(self.cross_kv):
-            kv = projection(encoder_hidden_states)  # (B, S, 2*D)
-            k, v = kv.view(b, s, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, S, hd)
-            keys[layer_idx], values[layer_idx] = k, v
+            for start in range(0, b, group):
+                rows = encoder_hidden_states[start: start + group]
+                kv = projection(rows)  # (n, S, 2*D)
+                k, v = kv.view(rows.shape[0], s, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+                keys[layer_idx, start: start + group], values[layer_idx, start: start + group] = k, v  # (n, H, S, hd)
         return keys, values
 
     # ---- forward ------------------------------------------------------------------------------------------

@@ -81,16 +81,37 @@ void attention(const float* qkv, int64_t B, int64_t S, int64_t H, int64_t hd, fl
   });
 }
 
-// y [M, N] = x [M, K] times a prepacked int8 weight (fbgemm's dynamic product: x quantized to 7 bits per call), in
-// blocks of rows whose outputs stay under ~4 MB. apply_dynamic gives its output and int32 sums fresh memory on every
-// call, and blocks that small are served again from malloc's heap rather than mapped and faulted in anew; x's range
-// is taken per block, which only narrows it.
-void int8_product(const Packed& packed, const at::Tensor& x, at::Tensor& y) {
-  const int64_t M = x.size(0), N = y.size(1);
-  const int64_t block = std::max<int64_t>(64, (int64_t{1} << 20) / N);
+// int8 products are fbgemm's dynamic ones (x quantized to 7 bits per call, as torch.ops.quantized.linear_dynamic(x,
+// w, True)), run over blocks of rows whose outputs stay under ~4 MB: apply_dynamic gives its output and int32 sums
+// fresh memory on every call, and blocks that small are served again from malloc's heap rather than mapped and
+// faulted in anew. x's range is taken per block, which only narrows it.
+int64_t block_rows(int64_t N) { return std::max<int64_t>(64, (int64_t{1} << 19) / N); }
+
+at::Tensor int8_block(const Packed& packed, const at::Tensor& x, int64_t m0, int64_t rows) {
+  return packed->apply_dynamic(x.narrow(0, m0, rows), /*reduce_range=*/true);
+}
+
+// y (+)= x times the weight, block by block
+void int8_product(const Packed& packed, const at::Tensor& x, at::Tensor& y, Store how) {
+  const int64_t M = x.size(0), block = block_rows(y.size(1));
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t rows = std::min(block, M - m0);
-    y.narrow(0, m0, rows).copy_(packed->apply_dynamic(x.narrow(0, m0, rows), /*reduce_range=*/true));
+    at::Tensor out = y.narrow(0, m0, rows);
+    if (how == Store::kAdd)
+      out.add_(int8_block(packed, x, m0, rows));
+    else
+      out.copy_(int8_block(packed, x, m0, rows));
+  }
+}
+
+// h += fc2(gelu(fc1(x))), block by block: a block's MLP activations never leave L2/L3
+void int8_mlp(const Packed& fc1, const Packed& fc2, const at::Tensor& x, at::Tensor& h, int64_t F) {
+  const int64_t M = x.size(0), block = block_rows(F);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t rows = std::min(block, M - m0);
+    at::Tensor inner = int8_block(fc1, x, m0, rows);
+    at::gelu_(inner);
+    h.narrow(0, m0, rows).add_(fc2->apply_dynamic(inner, /*reduce_range=*/true));
   }
 }
 
@@ -103,7 +124,8 @@ void check_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const char* n
 // Runs hidden [B, S, D] through every layer in place. Per layer, four projections (qkv [3D, D], out [D, D],
 // fc1 [F, D], fc2 [D, F]): fbgemm's prepacked int8 ones (`packed`, biases inside), else fp32 `weights` [N, K] with
 // `biases`. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace: x [M, D], qkv [M, 3D],
-// ctx [M, D], tmp [M, D], ff [M, F] with M = B * S.
+// ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by fp32 weights only: int8 ones run the
+// MLP and the residual sums block by block).
 void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
                     at::TensorList weights, at::TensorList biases, const std::vector<Packed>& packed, int64_t heads,
                     double eps, at::TensorList workspace) {
@@ -139,25 +161,28 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   const float* betas = norm_bias.data_ptr<float>();
   const int64_t hd = D / heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
-  auto project = [&](int64_t i, const at::Tensor& in, at::Tensor& out) {
-    if (int8)
-      int8_product(packed[i], in, out);
-    else
-      at::addmm_out(out, biases[i], in, weights[i].t());
+  // out (+)= the projection i of in
+  auto project = [&](int64_t i, const at::Tensor& in, at::Tensor& out, Store how) {
+    if (int8) return int8_product(packed[i], in, out, how);
+    if (how == Store::kSet) return void(at::addmm_out(out, biases[i], in, weights[i].t()));
+    at::addmm_out(tmp, biases[i], in, weights[i].t());
+    out.add_(tmp);
   };
   for (int64_t l = 0; l < L; ++l) {
     const float* gamma = gammas + l * 2 * D;
     const float* beta = betas + l * 2 * D;
     xattn::layer_norm(hp, M, D, gamma, beta, eps, x.data_ptr<float>());
-    project(4 * l, x, qkv);
+    project(4 * l, x, qkv, Store::kSet);
     attention(qkv.data_ptr<float>(), B, S, heads, hd, scale, ctx.data_ptr<float>());
-    project(4 * l + 1, ctx, tmp);
-    h.add_(tmp);
+    project(4 * l + 1, ctx, h, Store::kAdd);
     xattn::layer_norm(hp, M, D, gamma + D, beta + D, eps, x.data_ptr<float>());
-    project(4 * l + 2, x, ff);
-    at::gelu_(ff);  // exact (erf) GELU, in place
-    project(4 * l + 3, ff, tmp);
-    h.add_(tmp);
+    if (int8) {
+      int8_mlp(packed[4 * l + 2], packed[4 * l + 3], x, h, F);
+    } else {
+      project(4 * l + 2, x, ff, Store::kSet);
+      at::gelu_(ff);  // exact (erf) GELU, in place
+      project(4 * l + 3, ff, h, Store::kAdd);
+    }
   }
 }
 
