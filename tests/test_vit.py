@@ -94,3 +94,5 @@ def test_unsupported_encoders_are_refused_by_name():
         ViTEncoder(relu, "int8")
     with pytest.raises(ValueError, match="weights='exact'"):
         ViTEncoder(vit(), "exact")
+    with pytest.raises(ValueError, match="pass no attention_mask"):
+        ViTEncoder(vit(), "packed")(torch.randn(1, 3, 24, 24), attention_mask=torch.ones(1, 10))

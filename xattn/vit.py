@@ -82,7 +82,11 @@ class ViTEncoder(nn.Module):
         self._lock = threading.Lock()
 
     @torch.no_grad()
-    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False) -> tuple[torch.Tensor]:
+    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+        if attention_mask is not None:
+            raise ValueError("xattn's ViT kernel attends over every patch: pass no attention_mask, or use "
+                             "encoder_weights=None to run transformers' own ViT")
         pixel_values = pixel_values.to(self.embeddings.patch_embeddings.projection.weight.dtype)
         hidden = self.embeddings(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
         hidden = hidden.float().contiguous()
