@@ -3,8 +3,9 @@
 // A batch's encoder pass is bound by its products (fbgemm's prepacked int8 ones, or torch's fp32 addmm), but torch
 // gives every op's output fresh memory, and here a 38 MB tensor (one MLP activation at batch 16) costs ~15 ms of page
 // faults before it is written: a quarter of the int8 encoder's time. In this op every intermediate result lives in
-// a workspace the caller keeps between calls, the products write into it, and attention runs per (image, head) with
-// its Q, K^T, V and scores in L2 (products.h's tiles), not through [B, H, S, S] tensors.
+// a workspace the caller keeps between calls (fp32 products write into it; int8 ones run in row blocks small enough
+// for malloc to hand the same memory back), and attention runs per (image, head) with its Q, K^T, V and scores in
+// L2 (products.h's tiles), not through [B, H, S, S] tensors.
 //
 // Per layer: h += out(attention(qkv(ln_before(h)))); h += fc2(gelu(fc1(ln_after(h)))).
 
