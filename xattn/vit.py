@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .weights import Int8Linear
+from .weights import prepack_int8
 
 # a layer's projections, in the kernel's order, under transformers 5.x's names and 4.x's
 _PROJECTIONS = {
@@ -57,7 +57,7 @@ class ViTEncoder(nn.Module):
         self.embeddings, self.layernorm = vit.embeddings, vit.layernorm
         layers = _layers(vit)
         qkv_names, *rest = _PROJECTIONS[_naming(layers[0])]
-        weights, biases, self._int8 = [], [], []
+        self._weights, self._biases, self._packed = [], [], []  # fp32 weights and biases, or fbgemm's int8 ones
         for layer in layers:
             modules = dict(layer.named_modules())
             qkv = [modules[name] for name in qkv_names]
@@ -66,12 +66,10 @@ class ViTEncoder(nn.Module):
             for weight, bias in projections:
                 weight, bias = weight.detach().float().clone(), bias.detach().float().clone()
                 if kind == "int8":  # one quantization per output row, so the fused qkv equals three separate ones
-                    self._int8.append(Int8Linear(weight, bias))
+                    self._packed.append(prepack_int8(weight, bias)[1])
                 else:
-                    weights.append(weight)
-                    biases.append(bias)
-        self._weights, self._biases = weights, biases
-        self._packed = [linear.packed for linear in self._int8]
+                    self._weights.append(weight)
+                    self._biases.append(bias)
         norms = [(layer.layernorm_before, layer.layernorm_after) for layer in layers]
         self._norm_weight = torch.stack([torch.stack([a.weight, b.weight]) for a, b in norms]).detach().float()
         self._norm_bias = torch.stack([torch.stack([a.bias, b.bias]) for a, b in norms]).detach().float()

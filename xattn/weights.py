@@ -143,16 +143,10 @@ class Int8Linear(_Copy):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
-        weight = weight.detach().float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
         self.bias = None if bias is None else bias.detach().float().clone()
-        with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm's kernels remain
-            warnings.simplefilter("ignore")
-            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-            self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
+        quantized, self.packed = prepack_int8(weight, self.bias)
         self.kernel_weight = kernels.int8_blocks(quantized.int_repr()) if kernels.available() else None
-        self.scales = scales.float()
+        self.scales = quantized.q_per_channel_scales().float()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
         if _small(x, self.kernel_weight, INT8_SMALL_ROWS):
@@ -161,6 +155,18 @@ class Int8Linear(_Copy):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
+
+
+def prepack_int8(weight: torch.Tensor, bias: torch.Tensor | None):
+    """fp32 weight [out, in] -> (its int8 copy, symmetric with one scale per output channel, as a quantized tensor;
+    fbgemm's prepacked linear over it, bias inside)."""
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm's kernels remain
+        warnings.simplefilter("ignore")
+        quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        return quantized, torch.ops.quantized.linear_prepack(quantized, bias)
 
 
 _COPIES = {"packed": PackedLinear, "bf16": BF16Linear, "int8": Int8Linear}

@@ -83,7 +83,7 @@ void attention(const float* qkv, int64_t B, int64_t S, int64_t H, int64_t hd, fl
 }
 
 // int8 products are fbgemm's dynamic ones (x quantized to 7 bits per call, as torch.ops.quantized.linear_dynamic(x,
-// w, True)), run over blocks of rows whose outputs stay under ~4 MB: apply_dynamic gives its output and int32 sums
+// w, True)), run over blocks of rows whose outputs stay under ~2 MB: apply_dynamic gives its output and int32 sums
 // fresh memory on every call, and blocks that small are served again from malloc's heap rather than mapped and
 // faulted in anew. x's range is taken per block, which only narrows it.
 int64_t block_rows(int64_t N) { return std::max<int64_t>(64, (int64_t{1} << 19) / N); }
@@ -112,7 +112,7 @@ void int8_mlp(const Packed& fc1, const Packed& fc2, const at::Tensor& x, at::Ten
     const int64_t rows = std::min(block, M - m0);
     at::Tensor inner = int8_block(fc1, x, m0, rows);
     at::gelu_(inner);
-    h.narrow(0, m0, rows).add_(fc2->apply_dynamic(inner, /*reduce_range=*/true));
+    h.narrow(0, m0, rows).add_(int8_block(fc2, inner, 0, rows));
   }
 }
 
