@@ -160,12 +160,12 @@ def test_a_captioner_given_to_transcribe_and_back(models, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
     (["--max-new-tokens", "500"], "n_positions"),
     (["--num-beams", "2", "--num-return-sequences", "3"], "must be <= num_beams"),
-    (["--do-sample", "--temperature", "-1"], "temperature must be a positive number"),
-    (["--do-sample", "--top-p", "1.5"], "top_p must be in"),
-    (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--do-sample", "--temperature", "-1"], "argument --temperature: must be greater than 0"),
+    (["--do-sample", "--top-p", "1.5"], "argument --top-p: must be at most 1"),
+    (["--repetition-penalty", "0"], "argument --repetition-penalty: must be greater than 0"),
     (["--num-beams", "2", "--do-sample"], "beam sampling is not supported"),
 ])
 def test_out_of_range_generation_options(models, tmp_path, capsys, flags, message):

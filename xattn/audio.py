@@ -13,21 +13,37 @@ import numpy as np
 import torch
 
 
-def load_audio(path: str, sampling_rate: int = 16_000) -> np.ndarray:
+def load_audio(path: str, sampling_rate: int = 16_000, max_seconds: float | None = None) -> np.ndarray:
     """Any soundfile-readable file, any sample rate and channel count, as mono float32 at `sampling_rate`.
-    ValueError naming the file for a missing, unreadable, empty or non-finite file."""
+    ValueError naming the file for a missing, unreadable, empty or non-finite file, and for one longer than
+    max_seconds (checked from the header before reading, where the format gives the length)."""
     import soundfile
 
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file")
     try:
+        if max_seconds is not None:
+            info = soundfile.info(path)
+            if info.samplerate > 0 and info.frames / info.samplerate > max_seconds:
+                raise ValueError(_too_long(path, info.frames / info.samplerate, max_seconds))
         samples, rate = soundfile.read(path, dtype="float32", always_2d=True)  # [frames, channels]
+    except ValueError as error:
+        if str(error).startswith(path):
+            raise
+        raise ValueError(f"{path}: not a readable audio file (ValueError: {error})") from None
     except Exception as error:  # soundfile raises LibsndfileError, RuntimeError, TypeError... for bad files
         raise ValueError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from None
+    if max_seconds is not None and len(samples) / rate > max_seconds:  # formats whose header had no length
+        raise ValueError(_too_long(path, len(samples) / rate, max_seconds))
     try:
         return to_mono(samples, rate, sampling_rate)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
+
+
+def _too_long(path: str, seconds: float, max_seconds: float) -> str:
+    return (f"{path}: {seconds:.1f} s of audio; this model transcribes at most {max_seconds:g} s (split it, or raise "
+            "--max-seconds)")
 
 
 def to_mono(samples: np.ndarray, rate: int, sampling_rate: int = 16_000) -> np.ndarray:

@@ -7,7 +7,8 @@ import os
 import torch
 
 from .architecture import new_encoder_decoder
-from .vision import pixel_values
+from .files import save_figure
+from .vision import load_image, pixel_values
 
 
 def new_scene_captioner(tokenizer, image_size: int = 64, patch_size: int = 8):
@@ -77,8 +78,7 @@ class Captioner:
 
     def __init__(self, model: str | None = None, compile: bool = False, allow_pickle: bool = False,
                  weights: str = "exact"):
-        from transformers import AutoImageProcessor, AutoTokenizer
-
+        from .hf import load_image_processor, load_tokenizer
         from .models import load
 
         path = model or DEFAULT_MODEL
@@ -87,14 +87,23 @@ class Captioner:
         self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
         if getattr(self.engine.encoder, "main_input_name", None) != "pixel_values":
             raise ValueError(f"{path} is not an image captioner (no vision encoder)")
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.processor = AutoImageProcessor.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
+        self.processor = load_image_processor(path)
         if compile:
             self.engine.compile()
 
+    def load(self, path: str) -> torch.Tensor:
+        """An image file as the model sees it, [3, H, W]: decoded and preprocessed one file at a time, so a batch
+        holds preprocessed tensors, never more than one decoded image (see vision.MAX_PIXELS)."""
+        return pixel_values(self.processor, [load_image(path)])[0]
+
     def caption(self, images: list, **generate_kwargs) -> list[str]:
         """Captions of PIL images (num_return_sequences of them per image, in order)."""
-        out = self.engine.generate(pixel_values=pixel_values(self.processor, images), **generate_kwargs)
+        return self.caption_pixels(list(pixel_values(self.processor, images)), **generate_kwargs)
+
+    def caption_pixels(self, pixels: list[torch.Tensor], **generate_kwargs) -> list[str]:
+        """Captions of preprocessed images ([3, H, W] each, from load())."""
+        out = self.engine.generate(pixel_values=torch.stack(pixels), **generate_kwargs)
         return [text.strip() for text in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
 
     def attention_map(self, image, path: str, **generate_kwargs) -> str:
@@ -141,7 +150,7 @@ def _draw_attention(image, weights: torch.Tensor, words: list[str], path: str) -
         ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=extent, interpolation="bilinear")
         ax.set_title(word.strip() or repr(word))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 

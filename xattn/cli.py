@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from .argtypes import POSITIVE, SEED, THREADS, integer, number
+
 
 def _bench(args) -> int:
     import time
@@ -56,48 +58,63 @@ def _generation_kwargs(args) -> dict:
 
 def _add_generation_flags(parser) -> None:
     group = parser.add_argument_group("generation (as in transformers' generate; unset = the model's default)")
-    group.add_argument("--max-new-tokens", type=int)
-    group.add_argument("--num-beams", type=int)
-    group.add_argument("--num-return-sequences", type=int)
-    group.add_argument("--do-sample", action="store_true")
-    group.add_argument("--temperature", type=float)
-    group.add_argument("--top-k", type=int)
-    group.add_argument("--top-p", type=float)
-    group.add_argument("--repetition-penalty", type=float)
-    group.add_argument("--length-penalty", type=float)
-    group.add_argument("--seed", type=int, help="seed for sampling")
+    group.add_argument("--max-new-tokens", type=POSITIVE, help="tokens to generate at most")
+    group.add_argument("--num-beams", type=POSITIVE, help="beam search with this many beams (1: no beam search)")
+    group.add_argument("--num-return-sequences", type=POSITIVE, help="results per input (at most --num-beams "
+                       "with beam search)")
+    group.add_argument("--do-sample", action="store_true", help="sample instead of picking the likeliest token")
+    group.add_argument("--temperature", type=number(0, low_open=True), help="sampling temperature (> 0)")
+    group.add_argument("--top-k", type=integer(0), help="sample among the k likeliest tokens (0: all)")
+    group.add_argument("--top-p", type=number(0, 1, low_open=True), help="nucleus sampling: the likeliest tokens "
+                       "whose probabilities sum to p, 0 < p <= 1")
+    group.add_argument("--repetition-penalty", type=number(0, low_open=True), help="> 1 discourages repeats")
+    group.add_argument("--length-penalty", type=number(), help="beam search: exponent of the length "
+                       "normalisation")
+    group.add_argument("--seed", type=SEED, help="seed for sampling (0 to 2**63 - 1)")
 
 
 def _caption(args) -> int:
     import torch
 
     from .captioning import Captioner, image_files
+    from .files import check_output
     from .vision import load_image
 
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-    captioner = Captioner(args.model, compile=args.compile, allow_pickle=args.allow_pickle, weights=args.weights)
-    kwargs = _generation_kwargs(args)
     if args.attention_map:
         if len(args.images) != 1 or os.path.isdir(args.images[0]):
             raise ValueError("--attention-map draws one image: pass exactly one image file")
-        caption = captioner.attention_map(load_image(args.images[0]), args.attention_map, **kwargs)
-        print(caption)
-        print(f"wrote {args.attention_map}", file=sys.stderr)
-        return 0
-    return _run_files(args, image_files(args.images), load_image, captioner.caption, "caption")
+        check_output(args.attention_map, "--attention-map", (".png",))
+        image = load_image(args.images[0])
+    files, output = _claim_job(args, image_files(args.images))
+    try:
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        captioner = Captioner(args.model, compile=args.compile, allow_pickle=args.allow_pickle, weights=args.weights)
+        if args.attention_map:
+            print(captioner.attention_map(image, args.attention_map, **_generation_kwargs(args)))
+            print(f"wrote {args.attention_map}", file=sys.stderr)
+            return 0
+        return _run_files(args, files, output, captioner.load, captioner.caption_pixels, "caption")
+    finally:
+        if output is not None:
+            output.close()
 
 
 def _transcribe(args) -> int:
+    import torch
+
     from .speech import Transcriber, audio_files
 
-    if args.seed is not None:
-        import torch
-
-        torch.manual_seed(args.seed)
-    transcriber = Transcriber(args.model, max_seconds=args.max_seconds, compile=args.compile,
-                              allow_pickle=args.allow_pickle, weights=args.weights)
-    return _run_files(args, audio_files(args.audio), transcriber.load, transcriber.transcribe, "text")
+    files, output = _claim_job(args, audio_files(args.audio))
+    try:
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        transcriber = Transcriber(args.model, max_seconds=args.max_seconds, compile=args.compile,
+                                  allow_pickle=args.allow_pickle, weights=args.weights)
+        return _run_files(args, files, output, transcriber.load, transcriber.transcribe, "text")
+    finally:
+        if output is not None:
+            output.close()
 
 
 def _speak(args) -> int:
@@ -108,14 +125,22 @@ def _speak(args) -> int:
     import torch
 
     from .codes import SAMPLE_RATE
-    from .speak import Speaker
+    from .files import check_output, replaced_atomically
+    from .speak import Speaker, check_text
 
+    check_text(args.text)
+    check_output(args.output, "-o", (".wav", ".flac", ".aiff", ".aif"))
+    if args.spectrogram:
+        check_output(args.spectrogram, "--spectrogram", (".png",))
     speaker = Speaker(args.model)
+    speaker.check_voice(args.voice)
     kwargs = _generation_kwargs(args)
     if args.seed is not None:
         kwargs["generator"] = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
-    with soundfile.SoundFile(args.output, "w", samplerate=SAMPLE_RATE, channels=1, subtype="PCM_16") as out:
+    # written beside the target and renamed when complete: a refusal or a kill leaves an existing file as it was
+    with replaced_atomically(args.output) as tmp, \
+            soundfile.SoundFile(tmp, "w", samplerate=SAMPLE_RATE, channels=1, subtype="PCM_16") as out:
         if args.stream:
             pieces = []
             for i, piece in enumerate(speaker.stream(args.text, args.voice, **kwargs)):
@@ -148,16 +173,25 @@ def _shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def _run_files(args, files: list[str], load, infer, key: str) -> int:
-    """One file without --output: print its result. Otherwise a batched, resumable JSONL job with a progress
-    bar; infer(items, **generation kwargs) -> num_return_sequences strings per item."""
-    from .jobs import run_batches
+def _claim_job(args, files: list[str]):
+    """The job's files (this shard's) and its claimed JSONL output (None: one file printed), before any work."""
+    from .jobs import JobOutput
 
     if not files:
         raise ValueError("no input files found in the given paths")
     if args.shard:  # every file, sorted paths included, lands in exactly one shard
         index, count = args.shard
         files = files[index::count]
+    if getattr(args, "attention_map", None) or (args.output is None and len(files) == 1):
+        return files, None
+    return files, JobOutput(args.output)
+
+
+def _run_files(args, files: list[str], output, load, infer, key: str) -> int:
+    """One file without --output: print its result. Otherwise a batched, resumable JSONL job with a progress
+    bar; infer(items, **generation kwargs) -> num_return_sequences strings per item."""
+    from .jobs import run_batches
+
     kwargs = _generation_kwargs(args)
     per_file = kwargs.get("num_return_sequences", 1)
 
@@ -167,21 +201,40 @@ def _run_files(args, files: list[str], load, infer, key: str) -> int:
             return [{key: text} for text in out]
         return [{key + "s": out[i * per_file : (i + 1) * per_file]} for i in range(len(items))]
 
-    if args.output is None and len(files) == 1:
+    if output is None:
         result = process([load(files[0])])[0]
         print(result.get(key, result.get(key + "s")))
         return 0
-    failed = run_batches(files, load, process, args.output, args.batch_size, progress=not args.quiet,
+    failed = run_batches(files, load, process, output, args.batch_size, progress=not args.quiet,
                          desc={"caption": "captioning", "transcribe": "transcribing"}.get(args.command, args.command))
     if failed:
-        print(f"{failed} of {len(files)} files failed (see their 'error' in the output)", file=sys.stderr)
+        where = "see their 'error' lines" + (f" in {output.path}" if output.path else "")
+        print(f"{failed} of {len(files)} files failed ({where})", file=sys.stderr)
     return 1 if failed else 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(error: BaseException) -> str:
+    """An error as one line; OSErrors name their file."""
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.filename}: {error.strerror or error}"
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(error, ValueError) and first:
+        return first
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     from .weights import KINDS
 
-    parser = argparse.ArgumentParser(prog="xattn", description=__doc__)
+    parser = _Parser(prog="xattn", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="decode speed side by side with transformers and CTranslate2 "
                                 "(ViT-B/16 + GPT-2 small)")
@@ -192,18 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--end-to-end", action="store_true", help="add images/s captioning 64 images in batches of 16")
     bench.add_argument("--no-ctranslate2", action="store_true", help="leave CTranslate2 out even when installed")
     bench.add_argument("--chart", metavar="PNG", help="draw the results")
-    bench.add_argument("--short", type=int, default=8, help="generation length of the short run")
-    bench.add_argument("--long", type=int, default=24, help="generation length of the long run")
-    bench.add_argument("--repeats", type=int, default=2, help="best of this many runs per measurement")
-    bench.add_argument("--threads", type=int, default=2, help="torch threads")
+    bench.add_argument("--short", type=POSITIVE, default=8, help="generation length of the short run")
+    bench.add_argument("--long", type=POSITIVE, default=24, help="generation length of the long run")
+    bench.add_argument("--repeats", type=POSITIVE, default=2, help="best of this many runs per measurement")
+    bench.add_argument("--threads", type=THREADS, default=2, help="torch threads")
     bench.add_argument("--json", help="also write the results here (JSON)")
     bench.set_defaults(run=_bench)
 
     caption = commands.add_parser("caption", help="caption images (files or folders) with a VisionEncoderDecoder model")
     caption.add_argument("images", nargs="+", help="image files or folders of images")
     caption.add_argument("--model", help="checkpoint directory or hub id (default: the shipped scene captioner)")
-    caption.add_argument("--output", "-o", help="JSON lines output; re-running resumes after what is done")
-    caption.add_argument("--batch-size", type=int, default=16)
+    caption.add_argument("--output", "-o", help="JSON lines output (- for standard output); re-running resumes "
+                         "after what is done")
+    caption.add_argument("--batch-size", type=POSITIVE, default=16, help="files per batch")
     caption.add_argument("--attention-map", metavar="PNG", help="draw each word's attention over the image")
     caption.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     caption.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -215,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     transcribe.add_argument("audio", nargs="+", help="audio files (wav, flac, ogg, ...; any rate, mono or stereo) "
                             "or folders of them")
     transcribe.add_argument("--model", help="checkpoint directory or hub id (default: the shipped digit recognizer)")
-    transcribe.add_argument("--output", "-o", help="JSON lines output; re-running resumes after what is done")
-    transcribe.add_argument("--batch-size", type=int, default=16)
-    transcribe.add_argument("--max-seconds", type=float, default=20.0,
+    transcribe.add_argument("--output", "-o", help="JSON lines output (- for standard output); re-running "
+                            "resumes after what is done")
+    transcribe.add_argument("--batch-size", type=POSITIVE, default=16, help="files per batch")
+    transcribe.add_argument("--max-seconds", type=number(0, low_open=True), default=20.0,
                             help="refuse longer audio (the shipped model heard at most ~4 s in training)")
     transcribe.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     transcribe.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -226,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
     speak = commands.add_parser("speak", help="text to speech with the shipped TTS (or a TTS checkpoint)")
     speak.add_argument("text", help="what to say: letters a-z, spaces, apostrophes (digits as words)")
-    speak.add_argument("--output", "-o", default="speech.wav", help="wav file to write")
+    speak.add_argument("--output", "-o", default="speech.wav", help="audio file to write (.wav, .flac, .ogg, ...)")
     speak.add_argument("--voice", help="one of the model's voices (default: its first)")
     speak.add_argument("--model", help="TTS checkpoint directory (default: the shipped one)")
     speak.add_argument("--stream", action="store_true", help="write audio chunk by chunk while it is generated "
@@ -251,17 +306,25 @@ def main(argv: list[str] | None = None) -> int:
                          "the files (I from 0); run N such jobs on N processes or machines, each resumable")
     for sub in (bench, caption, transcribe, speak, train):
         sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error already printed in one line
+        return int(done.code or 0)
     if not args.debug:  # transformers' per-file loading bars are noise around our one-line answers
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     try:
         return args.run(args)
-    except ValueError as error:
+    except (ValueError, OSError, RuntimeError, MemoryError) as error:
         if args.debug:
             raise
-        print(f"xattn {args.command}: error: {error}", file=sys.stderr)
+        print(f"xattn {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    except Exception as error:  # safetensors' SafetensorError and the like: still one line
+        if args.debug or type(error).__module__.split(".")[0] not in ("safetensors", "tokenizers", "PIL"):
+            raise
+        print(f"xattn {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
 
 

@@ -97,13 +97,23 @@ class Codebook:
         path = os.path.join(directory, CODEBOOK_FILE)
         if not os.path.exists(path):
             raise ValueError(f"{directory}: no {CODEBOOK_FILE} (not a TTS checkpoint?)")
-        with np.load(path, allow_pickle=False) as data:
-            return cls(data["centroids"])
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                centroids = data["centroids"]
+        except Exception as error:  # a corrupt .npz raises zipfile, KeyError, ValueError or OSError errors
+            raise ValueError(f"{path}: not a readable codebook ({type(error).__name__}: {error})") from None
+        if centroids.ndim != 2 or centroids.shape[1] != N_MELS or not np.issubdtype(centroids.dtype, np.floating) \
+                or not np.isfinite(centroids).all() or len(centroids) < 1:
+            raise ValueError(f"{path}: the codebook must be finite floats of shape [codes, {N_MELS}], got "
+                             f"{centroids.dtype} {centroids.shape}")
+        return cls(centroids)
 
 
 def draw_spectrogram(frames: np.ndarray, path: str, title: str = "") -> None:
     """[frames, mels] log-mel as a PNG (time across, frequency up)."""
     import matplotlib
+
+    from .files import save_figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -114,5 +124,5 @@ def draw_spectrogram(frames: np.ndarray, path: str, title: str = "") -> None:
     ax.set_ylabel("mel bin")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)

@@ -1,13 +1,20 @@
-"""Batch jobs over many files: a bad file is reported and skipped, output is JSON lines written as they are
-made, and re-running the same command after a kill skips what is done (same output as an unbroken run)."""
+"""Batch jobs over many files: a bad file is reported in its own line and the job goes on, output is JSON lines
+written as they are made, and re-running the same command after a kill skips what is done (the output then
+equals an unbroken run's byte for byte: batches are cut from the file list, not from what is left)."""
 
 from __future__ import annotations
 
-import contextlib
+import errno
+import fcntl
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
+
+from .files import check_output
+
+_OUR_LINE_START = b'{"file": '  # how every line this module writes begins (json.dumps of a dict led by "file")
 
 
 def input_files(paths: list[str], extensions: tuple[str, ...]) -> list[str]:
@@ -23,53 +30,160 @@ def input_files(paths: list[str], extensions: tuple[str, ...]) -> list[str]:
 
 
 def finished_inputs(output: str, key: str = "file") -> set[str]:
-    """Inputs already in the JSONL output; a line cut by a kill is dropped from the file."""
+    """Inputs already in a JSONL file that this process writes alone (the data generators' metadata); a line cut
+    by a kill is cut off the file."""
     if not os.path.exists(output):
         return set()
-    with open(output) as f:
+    with open(output, "rb+") as f:
         text = f.read()
-    lines = text.split("\n")
-    complete = [line for line in lines[:-1] if line.strip()]  # the part after the last newline is unfinished
-    if lines[-1].strip():
-        with open(output, "w") as f:
-            f.write("".join(line + "\n" for line in complete))
-    return {json.loads(line)[key] for line in complete}
+        complete, _, tail = text.rpartition(b"\n")
+        if tail.strip():
+            f.truncate(len(text) - len(tail))
+    return {json.loads(line)[key] for line in complete.split(b"\n") if line.strip()}
+
+
+class JobOutput:
+    """The JSONL output of a job, claimed before any work: checked (a folder, a missing parent, a device or pipe,
+    an unwritable place or a file of other lines is refused, never rewritten), locked against a second job, and
+    read for what is done. `path=None` or "-" writes to standard output (no resume)."""
+
+    def __init__(self, path: str | None):
+        self.path = None if path in (None, "-") else path
+        self.done: Counter[str] = Counter()  # lines per input file (a file given twice has two)
+        self.errors_before = 0
+        self._fd: int | None = None
+        if self.path is None:
+            return
+        check_output(self.path, "-o")
+        created = not os.path.exists(self.path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ValueError(f"-o {self.path}: another xattn job is writing to it; wait for it to finish or "
+                                 "choose another output") from None
+            self._read_done()
+        except BaseException:
+            os.close(self._fd)
+            self._fd = None
+            if created and os.path.getsize(self.path) == 0:
+                os.remove(self.path)
+            raise
+
+    def _read_done(self) -> None:
+        size = os.fstat(self._fd).st_size
+        text = os.pread(self._fd, size, 0)
+        complete, _, tail = text.rpartition(b"\n")
+        for number, line in enumerate(complete.split(b"\n") if complete else [], start=1):
+            if not line.strip():
+                continue
+            record = _our_record(line)
+            if record is None:
+                raise ValueError(f"-o {self.path}: line {number} is not a result line of xattn; not writing into "
+                                 "this file (choose another output)")
+            self.done[record["file"]] += 1
+            self.errors_before += "error" in record
+        if tail.strip():
+            if not (tail.startswith(_OUR_LINE_START) or _OUR_LINE_START.startswith(tail)):
+                raise ValueError(f"-o {self.path}: its last line is not a result line of xattn; not writing into "
+                                 "this file (choose another output)")
+            os.ftruncate(self._fd, len(text) - len(tail))  # a line cut by a kill: redo that file
+
+    def write(self, records: list[dict]) -> None:
+        """Append records as JSON lines in one write (a kill leaves whole lines or a cut last line)."""
+        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        if self._fd is None:
+            sys.stdout.write(data.decode())
+            sys.stdout.flush()
+            return
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as error:
+            reason = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else \
+                error.strerror
+            raise ValueError(f"-o {self.path}: cannot write ({reason}); the results before it are kept: re-run "
+                             "the same command to resume") from None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+
+def _our_record(line: bytes) -> dict | None:
+    if not line.startswith(_OUR_LINE_START):
+        return None
+    try:
+        record = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("file"), str) else None
 
 
 def run_batches(
     files: list[str],
     load: Callable[[str], object],
     process: Callable[[list[object]], list[dict]],
-    output: str | None,
+    output: JobOutput,
     batch_size: int,
     progress: bool = True,
     desc: str = "files",
 ) -> int:
-    """load(file) -> item (ValueError for a bad file); process(items) -> one dict per item. Returns the
-    number of files that failed. Results go to `output` (JSONL) or, without it, to stdout."""
+    """load(file) -> item (reading and preprocessing, one file at a time); process(items) -> one dict per item.
+    A file that fails to load gets its "error" line; a batch that fails is retried one file at a time, so only
+    the bad file gets one. Returns the number of "error" lines in the whole output (earlier runs included)."""
     from tqdm import tqdm
 
-    done = finished_inputs(output) if output else set()
-    pending = [f for f in files if f not in done]
-    failures = 0
-    with contextlib.ExitStack() as stack:
-        sink = stack.enter_context(open(output, "a")) if output else sys.stdout
-        with tqdm(total=len(files), initial=len(files) - len(pending), desc=desc, disable=not progress,
-                  file=sys.stderr) as bar:
-            for start in range(0, len(pending), batch_size):
-                chunk = pending[start : start + batch_size]
-                loaded, results = [], {}
-                for path in chunk:
-                    try:
-                        loaded.append((path, load(path)))
-                    except ValueError as error:
-                        results[path] = {"file": path, "error": str(error)}
-                if loaded:
-                    for (path, _), result in zip(loaded, process([item for _, item in loaded])):
-                        results[path] = {"file": path, **result}
-                for path in chunk:  # input order, whatever failed
-                    failures += "error" in results[path]
-                    sink.write(json.dumps(results[path]) + "\n")
-                sink.flush()
-                bar.update(len(chunk))
+    failures = output.errors_before
+    done = output.done.copy()
+    pending = []  # per file of the list: still to do? (lines are in list order, so the first ones are done)
+    for path in files:
+        pending.append(done[path] <= 0)
+        done[path] -= 1
+    with tqdm(total=len(files), initial=pending.count(False), desc=desc, disable=not progress,
+              file=sys.stderr) as bar:
+        for start in range(0, len(files), batch_size):
+            chunk = [f for f, todo in zip(files[start : start + batch_size], pending[start : start + batch_size])
+                     if todo]
+            if not chunk:
+                continue
+            results = _batch_results(chunk, load, process)
+            records = [results[i] for i in range(len(chunk))]  # input order, whatever failed
+            failures += sum("error" in r for r in records)
+            output.write(records)
+            bar.update(len(chunk))
     return failures
+
+
+def _batch_results(chunk: list[str], load, process) -> list[dict]:
+    loaded, results = [], [None] * len(chunk)
+    for i, path in enumerate(chunk):
+        try:
+            loaded.append((i, load(path)))
+        except Exception as error:  # one bad file, whatever the library raised for it
+            results[i] = _error_record(path, error)
+    groups = [loaded] if loaded else []
+    while groups:
+        group = groups.pop(0)
+        try:
+            out = process([item for _, item in group])
+        except Exception as error:
+            if len(group) == 1:
+                results[group[0][0]] = _error_record(chunk[group[0][0]], error)
+            else:  # which file broke the batch? each alone, in order
+                groups = [[one] for one in group] + groups
+            continue
+        for (i, _), result in zip(group, out):
+            results[i] = {"file": chunk[i], **result}
+    return results
+
+
+def _error_record(path: str, error: Exception) -> dict:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not isinstance(error, ValueError) or not text:
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    if not text.startswith(path):
+        text = f"{path}: {text}"
+    return {"file": path, "error": text}

@@ -322,26 +322,20 @@ def _gpt2_parts(model: nn.Module, lm_head: nn.Module | None):
 def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
          allow_pickle: bool = False, weights: str = "exact", **from_pretrained_kwargs) -> XattnModel:
     """from_pretrained + from_hf. Weights load from safetensors; pickle-based weights (pytorch_model.bin) only
-    with allow_pickle=True, and then through torch.load(weights_only=True). Never remote code."""
-    from transformers import AutoConfig
+    with allow_pickle=True, and then through torch.load(weights_only=True). Never remote code: a checkpoint that
+    asks for its own code is refused (xattn.hf)."""
+    from .hf import load_config, load_model
 
+    if from_pretrained_kwargs.pop("trust_remote_code", False):
+        raise ValueError("trust_remote_code=True is not supported: xattn never runs code shipped with a checkpoint")
     from_pretrained_kwargs["use_safetensors"] = not allow_pickle or None  # None: safetensors first, else .bin
-    from_pretrained_kwargs.pop("trust_remote_code", None)  # never run code shipped with a checkpoint
     looks_local = os.path.sep in path_or_id or path_or_id.startswith(".") or os.path.exists(path_or_id)
     if looks_local and not os.path.isdir(path_or_id):
         raise ValueError(f"{path_or_id}: no such checkpoint directory")
-    try:
-        config = AutoConfig.from_pretrained(path_or_id)
-        model_class = _model_class(config)
-        if dtype is not None:
-            from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
-        model = model_class.from_pretrained(path_or_id, **from_pretrained_kwargs)
-    except OSError as error:
-        hint = ""
-        if not allow_pickle and os.path.isdir(path_or_id) and any(
-                f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path_or_id)):
-            hint = "; it holds pickle-based weights only: pass allow_pickle=True (--allow-pickle) if you trust it"
-        raise ValueError(f"{path_or_id}: cannot load the checkpoint ({str(error).splitlines()[0]}){hint}") from None
+    model_class = _model_class(load_config(path_or_id))
+    if dtype is not None:
+        from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
+    model = load_model(model_class, path_or_id, **from_pretrained_kwargs)
     return from_hf(model.to(device), weights=weights)
 
 

@@ -101,16 +101,19 @@ class Speaker:
     """A TTS checkpoint (EncoderDecoderModel + tokenizer + codebook) decoded by the xattn engine."""
 
     def __init__(self, model: str | None = None):
-        from transformers import AutoTokenizer, EncoderDecoderModel
+        from transformers import EncoderDecoderModel
 
+        from .hf import checkpoint_model_type, load_model, load_tokenizer
         from .models import from_hf
 
         path = model or DEFAULT_MODEL
         if not os.path.isdir(path):
             raise ValueError(f"{path}: no such TTS checkpoint directory")
         self.codebook = Codebook.from_pretrained(path)
-        self.model = EncoderDecoderModel.from_pretrained(path, use_safetensors=True).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if checkpoint_model_type(path) != "encoder-decoder":
+            raise ValueError(f"{path} is not a text-to-speech checkpoint (an EncoderDecoderModel with a codebook)")
+        self.model = load_model(EncoderDecoderModel, path).eval()
+        self.tokenizer = load_tokenizer(path)
         self.engine = from_hf(self.model.decoder)
         self.engine.generation_config = self.model.generation_config
         vocab = self.tokenizer.get_vocab()  # voices are the <name> tokens besides <pad> and <unk>
@@ -121,11 +124,16 @@ class Speaker:
     def stop_code(self) -> int:
         return self.codebook.size + 1
 
-    @torch.no_grad()
-    def _plan(self, text: str, voice: str | None, kwargs: dict) -> dict:
+    def check_voice(self, voice: str | None) -> str:
+        """The voice to use (the first by default); ValueError naming the choices for an unknown one."""
         voice = voice or self.voices[0]
         if voice not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; this model speaks {', '.join(self.voices)}")
+        return voice
+
+    @torch.no_grad()
+    def _plan(self, text: str, voice: str | None, kwargs: dict) -> dict:
+        voice = self.check_voice(voice)
         encoded = self.tokenizer([tts_prompt(voice, text)], return_tensors="pt")
         states = self.model.encoder(**encoded).last_hidden_state
         start = self.model.config.decoder_start_token_id

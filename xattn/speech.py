@@ -3,7 +3,9 @@ Transcriber (any SpeechEncoderDecoder checkpoint, decoding through the xattn eng
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -113,8 +115,7 @@ class Transcriber:
 
     def __init__(self, model: str | None = None, max_seconds: float = 20.0, compile: bool = False,
                  allow_pickle: bool = False, weights: str = "exact"):
-        from transformers import AutoFeatureExtractor, AutoTokenizer
-
+        from .hf import load_feature_extractor, load_tokenizer
         from .models import load
 
         path = model or DEFAULT_MODEL
@@ -123,20 +124,24 @@ class Transcriber:
         self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
         if getattr(self.engine.encoder, "main_input_name", None) not in ("input_values", "input_features"):
             raise ValueError(f"{path} is not a speech model (no speech encoder)")
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
+        self.feature_extractor = load_feature_extractor(path)
         self.sampling_rate = self.feature_extractor.sampling_rate
+        if not math.isfinite(max_seconds) or max_seconds <= 0:
+            raise ValueError(f"max_seconds must be a positive number, got {max_seconds}")
         self.max_seconds = max_seconds
+        self.min_samples = shortest_input(self.engine, self.feature_extractor)
         if compile:
             self.engine.compile()
 
     def load(self, path: str) -> np.ndarray:
-        """The file as the model hears it; ValueError if it is longer than the model's window."""
-        waveform = load_audio(path, self.sampling_rate)
-        seconds = len(waveform) / self.sampling_rate
-        if seconds > self.max_seconds:
-            raise ValueError(f"{path}: {seconds:.1f} s of audio; this model transcribes at most "
-                             f"{self.max_seconds:g} s (split it, or raise --max-seconds)")
+        """The file as the model hears it; ValueError if it is longer than max_seconds (checked from the header
+        where the format allows) or shorter than the model's first encoder frame."""
+        waveform = load_audio(path, self.sampling_rate, max_seconds=self.max_seconds)
+        if len(waveform) < self.min_samples:
+            rate = self.sampling_rate
+            raise ValueError(f"{path}: {len(waveform) / rate * 1000:.1f} ms of audio, too short for this model "
+                             f"(at least {self.min_samples / rate * 1000:.1f} ms)")
         return waveform
 
     @torch.no_grad()
@@ -144,6 +149,30 @@ class Transcriber:
         """Transcripts of waveforms at the model's sample rate, padded into one batch (each row stops on its own)."""
         out = self.engine.generate(**input_features(self.feature_extractor, waveforms), **generate_kwargs)
         return [text.strip() for text in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+
+@torch.no_grad()
+def shortest_input(engine, feature_extractor) -> int:
+    """The fewest samples for which the feature extractor and the encoder give at least one unmasked, finite
+    encoder position (found by bisection): anything shorter fails inside the model or gives NaN."""
+    def works(samples: int) -> bool:
+        noise = np.random.default_rng(0).standard_normal(samples).astype(np.float32)  # silence normalises to 0/0
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the extractors' own warnings about too few frames
+                inputs = input_features(feature_extractor, [noise])
+                hidden, mask = engine.encode(**inputs)
+        except (RuntimeError, ValueError, IndexError):
+            return False
+        return hidden.shape[1] > 0 and (mask is None or bool(mask.any())) and bool(hidden.isfinite().all())
+
+    low, high = 0, feature_extractor.sampling_rate  # works(high): a second of audio is enough for any encoder
+    if not works(high):
+        return 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if works(middle) else (middle, high)
+    return high
 
 
 def audio_files(paths: list[str]) -> list[str]:

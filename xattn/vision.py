@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 MAX_PIXELS = 100_000_000  # refuse decompression bombs (declared size), well above any real photo
 
 
 def load_image(path: str) -> Image.Image:
-    """Any Pillow-readable image (grayscale, RGBA, CMYK, 16-bit...) as 8-bit RGB; ValueError naming the file."""
+    """Any Pillow-readable image (grayscale, RGBA, CMYK, 16-bit...) as 8-bit RGB, turned upright as its EXIF
+    orientation says; ValueError naming the file. The declared size is checked from the header, before decoding."""
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such file")
     try:
@@ -20,7 +21,8 @@ def load_image(path: str) -> Image.Image:
                 raise ValueError(f"{path}: image declares {image.width}x{image.height} pixels, over the "
                                  f"{MAX_PIXELS} limit (a decompression bomb?)")
             image.load()
-            return _to_rgb(image)
+            # phone photos store their rotation in EXIF (as transformers' load_image, apply it)
+            return _to_rgb(ImageOps.exif_transpose(image))
     except ValueError:
         raise
     except Exception as error:  # Pillow raises many types for unreadable or truncated files

@@ -1,0 +1,51 @@
+"""Writing user files safely: every output is checked before any work (one-line errors naming the option), and
+written to a temporary file beside it that replaces the target only when complete, so a refusal, a kill or a
+full disk never leaves a truncated file where a good one was."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+
+
+def check_output(path: str, option: str, extensions: tuple[str, ...] | None = None) -> None:
+    """ValueError (one line, naming `option`) unless `path` can be written as a regular file."""
+    if not path:
+        raise ValueError(f"{option} is empty: name a file")
+    if extensions is not None and not path.lower().endswith(extensions):
+        raise ValueError(f"{option} {path}: name a file ending in {' or '.join(extensions)}")
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path}: is a folder; name a file inside it")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {path}: the folder {parent} does not exist")
+    if os.path.exists(path):
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError(f"{option} {path}: not a regular file (a device, pipe or socket)")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{option} {path}: not writable (permission denied)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: cannot write in {parent} (permission denied)")
+
+
+@contextlib.contextmanager
+def replaced_atomically(path: str) -> Iterator[str]:
+    """Yields a temporary path beside `path` (same extension, so writers infer the format); on success it
+    replaces `path` in one rename, on any failure it is removed and `path` is left as it was."""
+    folder, name = os.path.split(os.path.abspath(path))
+    stem, ext = os.path.splitext(name)
+    tmp = os.path.join(folder, f".{stem}.{os.getpid()}.partial{ext}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def save_figure(fig, path: str, **savefig_kwargs) -> None:
+    """matplotlib's savefig, atomically."""
+    with replaced_atomically(path) as tmp:
+        fig.savefig(tmp, **savefig_kwargs)

@@ -1,0 +1,123 @@
+"""Loading checkpoints through transformers without ever running code shipped with them.
+
+A checkpoint can ask transformers to import its own Python files (`auto_map` in config.json,
+tokenizer_config.json, preprocessor_config.json, ...). Every loader xattn calls goes through here: the JSON
+files of a local checkpoint are read first and a request for custom code is refused with one line naming the
+file, before transformers sees the folder; every transformers loader also gets trust_remote_code=False, so a
+hub checkpoint that asks for code is refused by transformers itself (never the interactive "[y/N]" prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+# the files in which transformers looks for `auto_map` (custom classes) or a custom model_type
+CONFIG_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json",
+                "feature_extractor_config.json", "image_processor_config.json", "video_preprocessor_config.json",
+                "generation_config.json")
+SUPPORTED_MODEL_TYPES = ("vision-encoder-decoder", "speech-encoder-decoder", "encoder-decoder", "gpt2")
+
+
+def refuse_custom_code(path: str) -> None:
+    """ValueError naming the file if a local checkpoint folder asks for code of its own (or is unreadable)."""
+    if not os.path.isdir(path):
+        return
+    for name in CONFIG_FILES:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                content = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{file}: not a readable JSON file ({_first_line(error)})") from None
+        if _has_key(content, "auto_map"):
+            raise ValueError(f"{file}: the checkpoint asks to run its own Python code (auto_map); xattn never "
+                             "runs code shipped with a checkpoint")
+
+
+def checkpoint_model_type(path: str) -> str:
+    """config.json's model_type of a local checkpoint, read as JSON (transformers would import a custom type's
+    code to build its config); ValueError for a missing or unsupported one."""
+    refuse_custom_code(path)
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"{path}: no config.json (not a transformers checkpoint)")
+    with open(file, encoding="utf-8") as f:
+        config = json.load(f)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{file}: model_type {model_type!r} is not supported; xattn loads "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints")
+    return model_type
+
+
+def load_config(path: str):
+    from transformers import AutoConfig
+
+    if os.path.isdir(path):
+        checkpoint_model_type(path)
+    return _call("configuration", AutoConfig.from_pretrained, path)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return _call("tokenizer", AutoTokenizer.from_pretrained, path)
+
+
+def load_image_processor(path: str):
+    from transformers import AutoImageProcessor
+
+    return _call("image processor (preprocessor_config.json)", AutoImageProcessor.from_pretrained, path)
+
+
+def load_feature_extractor(path: str):
+    from transformers import AutoFeatureExtractor
+
+    return _call("feature extractor (preprocessor_config.json)", AutoFeatureExtractor.from_pretrained, path)
+
+
+def load_model(model_class, path: str, **kwargs):
+    """model_class.from_pretrained(path, trust_remote_code=False, **kwargs); safetensors only unless the caller
+    says otherwise. Corrupt weights files are one-line errors naming the checkpoint."""
+    kwargs.setdefault("use_safetensors", True)
+    return _call("weights", model_class.from_pretrained, path, **kwargs)
+
+
+def _call(what: str, loader, path: str, **kwargs):
+    refuse_custom_code(path)
+    try:
+        return loader(path, trust_remote_code=False, **kwargs)
+    except (ValueError, OSError, KeyError, TypeError, RuntimeError, AttributeError) as error:
+        reason = _first_line(error)
+        if not isinstance(error, ValueError):
+            reason = f"{type(error).__name__}: {reason}"
+        raise ValueError(f"{path}: cannot load the checkpoint's {what} ({reason}){_pickle_hint(what, path, kwargs)}") \
+            from None
+    except Exception as error:  # safetensors' SafetensorError for a corrupt weights file, and the like
+        if type(error).__module__.split(".")[0] not in ("safetensors", "tokenizers", "json"):
+            raise
+        raise ValueError(f"{path}: cannot load the checkpoint's {what} ({type(error).__name__}: "
+                         f"{_first_line(error)})") from None
+
+
+def _pickle_hint(what: str, path: str, kwargs: dict) -> str:
+    if what == "weights" and kwargs.get("use_safetensors") and os.path.isdir(path) and any(
+            f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path)):
+        return "; it holds pickle-based weights only: pass allow_pickle=True (--allow-pickle) if you trust it"
+    return ""
+
+
+def _has_key(value, key: str) -> bool:
+    if isinstance(value, dict):
+        return key in value or any(_has_key(v, key) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_key(v, key) for v in value)
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
