@@ -100,3 +100,18 @@ def images():
 
 def xattn_of(model):
     return xattn.from_hf(model)
+
+
+# `pytest.mark.kernels`: the test needs xattn's CPU kernels. Checked when the test runs, not at collection, since
+# the first check builds them (g++, a minute or more), and collecting a file should never do that.
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kernels: needs xattn's CPU kernels (built on first use, when a test runs)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("kernels") is not None:
+        from xattn import kernels
+
+        if not kernels.available():
+            pytest.skip("needs xattn's kernels (g++, x86-64 with AVX2 + FMA, XATTN_NO_KERNELS unset); a failed "
+                        "build's warning says why")

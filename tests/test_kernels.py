@@ -92,3 +92,82 @@ def test_a_fresh_cache_directory_gets_a_new_build(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     ok, path = done.stdout.split()
     assert ok == "True" and path.startswith(str(tmp_path)) and os.path.exists(path)
+
+
+# The build's own tests compile a one-line source (seconds, not the kernels' minute or more), through a g++ on PATH
+# that records each run, so that a test can count the builds.
+PROBE = "int xattn_probe() { return 1; }\n"
+
+
+@pytest.fixture
+def probe_build(tmp_path, monkeypatch):
+    """kernels._build() over a one-line source into an empty cache, g++ recording its runs in `runs`."""
+    source = tmp_path / "probe.cpp"
+    source.write_text(PROBE)
+    bin_dir, cache = tmp_path / "bin", tmp_path / "cache"
+    bin_dir.mkdir()
+    gxx = bin_dir / "g++"
+    gxx.write_text(f'#!/bin/sh\necho run >> {tmp_path / "runs"}\nsleep "${{GXX_DELAY:-0}}"\n'
+                   f'exec {shutil.which("g++")} "$@"\n')
+    gxx.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("XATTN_CACHE", str(cache))
+    monkeypatch.setattr(kernels, "_SOURCES", [str(source)])
+    monkeypatch.setattr(kernels, "_HEADERS", [])
+    return tmp_path
+
+
+def _runs(tmp_path) -> int:
+    runs = tmp_path / "runs"
+    return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+
+def test_two_processes_building_at_once_build_once(probe_build):
+    code = ("import sys; from xattn import kernels; kernels._SOURCES, kernels._HEADERS = [sys.argv[1]], []; "
+            "print(kernels._build())")
+    env = dict(os.environ, GXX_DELAY="4")  # the first holds the lock long enough for the second to wait on it
+    processes = [subprocess.Popen([sys.executable, "-c", code, str(probe_build / "probe.cpp")], env=env,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    paths = [p.communicate(timeout=300)[0].strip() for p in processes]
+    assert [p.returncode for p in processes] == [0, 0]
+    assert paths[0] == paths[1] and os.path.exists(paths[0])
+    assert _runs(probe_build) == 1
+    name = os.path.basename(paths[0])[:-3]
+    assert sorted(os.listdir(probe_build / "cache")) == [f"{name}.lock", f"{name}.log", f"{name}.so"]  # no tmp*
+
+
+def test_a_failed_build_warns_with_the_compilers_error_and_its_log(probe_build, monkeypatch):
+    (probe_build / "probe.cpp").write_text(PROBE + "int broken( { return 2; }\n")
+    monkeypatch.delenv("XATTN_NO_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_state", {})
+    with pytest.warns(UserWarning, match="could not be built") as warned:
+        assert not kernels.available()
+    message = str(warned[0].message)
+    log = probe_build / "cache" / f"{kernels._name()}.log"
+    assert "probe.cpp:2:" in message and "error" in message and str(log) in message
+    assert "probe.cpp:2:" in log.read_text()
+    assert [entry for entry in os.listdir(probe_build / "cache") if ".tmp" in entry] == []
+
+
+def test_a_build_past_its_timeout_is_stopped(probe_build, monkeypatch):
+    monkeypatch.setenv("GXX_DELAY", "60")
+    monkeypatch.setenv("XATTN_BUILD_TIMEOUT", "1")
+    with pytest.raises(kernels.BuildError, match="ran past 1 s"):
+        kernels._build()
+    assert [entry for entry in os.listdir(probe_build / "cache") if ".tmp" in entry] == []
+
+
+def test_a_killed_builds_leftovers_are_removed_by_the_next_build(probe_build):
+    cache = probe_build / "cache"
+    ours, legacy, fresh, foreign = (cache / f"{kernels._name()}.tmpkilled", cache / "tmpold", cache / "tmpnew",
+                                    cache / "tmpforeign")
+    for folder in (ours, legacy, fresh, foreign):
+        folder.mkdir(parents=True)
+    (legacy / "kernels.so").write_bytes(b"half a library")
+    (foreign / "notes.txt").write_text("not a build's")
+    for folder in (legacy, foreign):  # older than any build may run: left by a build from before the lock
+        os.utime(folder, (0, 0))
+    path = kernels._build()
+    assert os.path.exists(path) and _runs(probe_build) == 1
+    assert not ours.exists() and not legacy.exists()
+    assert fresh.exists() and foreign.exists()  # perhaps a build running now; not a build's folder

@@ -6,11 +6,10 @@ from transformers import ViTConfig, ViTModel
 
 import xattn
 from conftest import tiny_captioner
-from xattn import kernels
 from xattn.vit import ViTEncoder, supports
 from xattn.weights import ConvertedLinear, convert_linears
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="xattn's kernels cannot be built here")
+pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 
 
 def vit(seed=0, **overrides) -> ViTModel:

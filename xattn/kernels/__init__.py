@@ -1,31 +1,39 @@
-"""xattn's own CPU kernels (products.h, rowwise.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp), compiled on
-first use with the system's g++ against torch's headers.
+"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp),
+compiled on first use with the system's g++ against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
 `matvec_int8(x, int8_blocks(weight), N, scale, bias=None)`: int8 weight with one scale per row, x quantized to int8
 per row inside.
 `decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
 argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). `encoder_layers(...)`: a
-batch through every ViT layer (see encoder.cpp). The build lands in
-~/.cache/xattn/ (or $XATTN_CACHE) keyed by the source and the torch version, so later processes load it at
-once. `available()` is False where it cannot be built or run (no g++, no AVX2/FMA, not x86-64,
-XATTN_NO_KERNELS=1); callers then use torch's kernels.
+batch through every ViT layer (see encoder.cpp). Every op checks each tensor it is given (checks.h) and refuses a
+wrong one with a RuntimeError naming it.
+
+The build lands in ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the sources and the torch version, so later processes
+load it at once. One process builds while others wait on a lock file; g++'s output goes to a .log beside the build,
+and a build past XATTN_BUILD_TIMEOUT seconds (600) is stopped. `available()` is False where the kernels cannot be
+built or run (no g++, no AVX2/FMA, not x86-64, XATTN_NO_KERNELS=1), with a warning quoting g++'s error where a build
+failed; callers then use torch's kernels.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import tempfile
+import time
 import warnings
 
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name) for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h", "checks.h")]
 _state: dict = {}
 
 
@@ -99,43 +107,100 @@ def _cpu_has_avx2_fma() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
+class BuildError(RuntimeError):
+    """g++ failed or ran past its time; the message quotes its error and names the log with all of its output."""
+
+
 def _load() -> bool:
     if os.environ.get("XATTN_NO_KERNELS") == "1" or platform.machine() != "x86_64" or not _cpu_has_avx2_fma():
         return False
     try:
         torch.ops.load_library(_build())
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        warnings.warn(f"xattn's CPU kernels could not be built ({str(error).splitlines()[0][:200]}); "
-                      "using torch's kernels", stacklevel=3)
+    except (OSError, RuntimeError) as error:  # no g++ (OSError), BuildError, or a library that does not load
+        warnings.warn(f"xattn's CPU kernels could not be built or loaded: {error}; using torch's kernels",
+                      stacklevel=3)
         return False
     _register_fake()
     return True
 
 
 def _build() -> str:
+    """The kernels' shared library for these sources and this torch, built once per cache folder: a process that
+    finds another building waits on the lock file, then loads what that one built."""
+    name = _name()
+    cache = os.environ.get("XATTN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "xattn"))
+    target = os.path.join(cache, f"{name}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        if os.path.exists(target):  # built while this process waited
+            return target
+        _remove_stale(cache, name)
+        with tempfile.TemporaryDirectory(dir=cache, prefix=f"{name}.tmp") as tmp:  # renamed whole: never half a .so
+            out = os.path.join(tmp, "kernels.so")
+            _compile(out, os.path.join(cache, f"{name}.log"))
+            os.replace(out, target)
+    return target
+
+
+def _name() -> str:
+    """kernels-<key>: the build's name, keyed by the sources and the torch version."""
     digest = hashlib.sha256(torch.__version__.encode())
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
-    key = digest.hexdigest()[:16]
-    cache = os.environ.get("XATTN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "xattn"))
-    target = os.path.join(cache, f"kernels-{key}.so")
-    if os.path.exists(target):
-        return target
-    os.makedirs(cache, exist_ok=True)
+    return f"kernels-{digest.hexdigest()[:16]}"
+
+
+def _remove_stale(cache: str, name: str) -> None:
+    """Temporary folders a killed build left: this build's own (its lock is held, so none is in use), and those of
+    builds from before the lock (`tmp*`) once older than any build may run."""
+    for entry in os.scandir(cache):
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        ours = entry.name.startswith(f"{name}.tmp")
+        legacy = (entry.name.startswith("tmp") and time.time() - entry.stat().st_mtime > _timeout()
+                  and set(os.listdir(entry.path)) <= {"kernels.so"})  # nothing else's, should the cache be /tmp
+        if ours or legacy:
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _timeout() -> float:
+    return float(os.environ.get("XATTN_BUILD_TIMEOUT", 600))
+
+
+def _compile(out: str, log: str) -> None:
+    """g++ over the sources into `out`, its output into `log`; BuildError on failure or past the timeout."""
     torch_dir = os.path.dirname(torch.__file__)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: concurrent builds are safe
-        out = os.path.join(tmp, "kernels.so")
-        subprocess.run(
-            ["g++", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", os.path.join(torch_dir, "include"),
-             "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"), *_SOURCES,
-             "-L", os.path.join(torch_dir, "lib"), "-lc10", "-ltorch_cpu", "-o", out],
-            check=True, capture_output=True, text=True,
-        )
-        os.replace(out, target)
-    return target
+    command = ["g++", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", os.path.join(torch_dir, "include"),
+               "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"), *_SOURCES,
+               "-L", os.path.join(torch_dir, "lib"), "-lc10", "-ltorch_cpu", "-o", out]
+    with open(log, "w") as f:
+        f.write(" ".join(command) + "\n")
+        f.flush()
+        # its own process group, so that a timeout ends the compiler proper (cc1plus) too, not only the driver
+        process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        code = None
+        try:
+            code = process.wait(timeout=_timeout())
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if process.poll() is None:  # past the timeout, or this process was interrupted (a new session's
+                os.killpg(process.pid, signal.SIGKILL)  # compiler does not get the terminal's Ctrl-C)
+                process.wait()
+    if code is None:
+        raise BuildError(f"g++ ran past {_timeout():.0f} s (XATTN_BUILD_TIMEOUT); its output: {log}")
+    if code:
+        with open(log) as f:
+            lines = [line.rstrip()[:300] for line in f.readlines()[1:]]
+        # the first errors are the cause (later ones often follow from them); without any, the output's end
+        quoted = [line for line in lines if "error" in line][:3] or lines[-3:]
+        raise BuildError(f"g++ exited with {code}: {' | '.join(quoted)} (all of its output: {log})")
 
 
 def _register_fake() -> None:

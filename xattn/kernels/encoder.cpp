@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "checks.h"
 #include "products.h"
 #include "rowwise.h"
 
@@ -88,73 +89,91 @@ void attention(const float* qkv, int64_t B, int64_t S, int64_t H, int64_t hd, fl
 // faulted in anew. x's range is taken per block, which only narrows it.
 int64_t block_rows(int64_t N) { return std::max<int64_t>(64, (int64_t{1} << 19) / N); }
 
-at::Tensor int8_block(const Packed& packed, const at::Tensor& x, int64_t m0, int64_t rows) {
-  return packed->apply_dynamic(x.narrow(0, m0, rows), /*reduce_range=*/true);
+// rows of x from m0 times packed[i], which must give N columns (fbgemm checks x's K itself; a wrong N would be
+// broadcast or refused by the copy, so it is checked here)
+at::Tensor int8_block(const std::vector<Packed>& packed, int64_t i, const at::Tensor& x, int64_t m0, int64_t rows,
+                      int64_t N) {
+  at::Tensor out = packed[i]->apply_dynamic(x.narrow(0, m0, rows), /*reduce_range=*/true);
+  xattn::check_tensor(out, at::kFloat, {rows, N}, "packed[", i, "]'s product");
+  return out;
 }
 
-// y (+)= x times the weight, block by block
-void int8_product(const Packed& packed, const at::Tensor& x, at::Tensor& y, Store how) {
-  const int64_t M = x.size(0), block = block_rows(y.size(1));
+// y (+)= x times packed[i], block by block
+void int8_product(const std::vector<Packed>& packed, int64_t i, const at::Tensor& x, at::Tensor& y, Store how) {
+  const int64_t M = x.size(0), N = y.size(1), block = block_rows(N);
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t rows = std::min(block, M - m0);
     at::Tensor out = y.narrow(0, m0, rows);
     if (how == Store::kAdd)
-      out.add_(int8_block(packed, x, m0, rows));
+      out.add_(int8_block(packed, i, x, m0, rows, N));
     else
-      out.copy_(int8_block(packed, x, m0, rows));
+      out.copy_(int8_block(packed, i, x, m0, rows, N));
   }
 }
 
-// h += fc2(gelu(fc1(x))), block by block: a block's MLP activations never leave L2/L3
-void int8_mlp(const Packed& fc1, const Packed& fc2, const at::Tensor& x, at::Tensor& h, int64_t F) {
-  const int64_t M = x.size(0), block = block_rows(F);
+// h += fc2(gelu(fc1(x))) with fc1 = packed[i], fc2 = packed[i + 1], block by block: a block's MLP activations never
+// leave L2/L3
+void int8_mlp(const std::vector<Packed>& packed, int64_t i, const at::Tensor& x, at::Tensor& h, int64_t F) {
+  const int64_t M = x.size(0), D = h.size(1), block = block_rows(F);
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t rows = std::min(block, M - m0);
-    at::Tensor inner = int8_block(fc1, x, m0, rows);
+    at::Tensor inner = int8_block(packed, i, x, m0, rows, F);
     at::gelu_(inner);
-    h.narrow(0, m0, rows).add_(int8_block(fc2, inner, 0, rows));
+    h.narrow(0, m0, rows).add_(int8_block(packed, i + 1, inner, 0, rows, D));
   }
-}
-
-void check_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == rows &&
-                  t.size(1) == cols,
-              name, " must be a contiguous float32 [", rows, ", ", cols, "] tensor");
 }
 
 // Runs hidden [B, S, D] through every layer in place. Per layer, four projections (qkv [3D, D], out [D, D],
 // fc1 [F, D], fc2 [D, F]): fbgemm's prepacked int8 ones (`packed`, biases inside), else fp32 `weights` [N, K] with
-// `biases`. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace: x [M, D], qkv [M, 3D],
+// `biases` [N]. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace: x [M, D], qkv [M, 3D],
 // ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by fp32 weights only: int8 ones run the
-// MLP and the residual sums block by block).
+// MLP and the residual sums block by block). Every argument is checked before hidden is written, except the int8
+// products' widths, which fbgemm's packed weights tell only by their bias (checked first) or their product.
 void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
                     at::TensorList weights, at::TensorList biases, const std::vector<Packed>& packed, int64_t heads,
                     double eps, at::TensorList workspace) {
-  TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
-                  hidden.device().is_cpu(),
-              "hidden must be a contiguous float32 CPU [B, S, D] tensor");
+  xattn::check_kind(hidden, at::kFloat, 3, true, "hidden [B, S, D]");
   const int64_t B = hidden.size(0), S = hidden.size(1), D = hidden.size(2), M = B * S;
-  TORCH_CHECK(heads > 0 && D % heads == 0, "D must be a multiple of the head count");
-  TORCH_CHECK(norm_weight.dim() == 3 && norm_weight.size(1) == 2 && norm_weight.size(2) == D &&
-                  norm_weight.is_contiguous() && norm_bias.sizes() == norm_weight.sizes() && norm_bias.is_contiguous(),
-              "norm_weight/norm_bias must be contiguous [L, 2, D]");
+  TORCH_CHECK(heads > 0 && D % heads == 0, "heads: expected a divisor of hidden's width ", D, ", got ", heads);
+  xattn::check_kind(norm_weight, at::kFloat, 3, true, "norm_weight [L, 2, D]");
   const int64_t L = norm_weight.size(0);
-  const bool int8 = !packed.empty();
-  TORCH_CHECK(int8 ? static_cast<int64_t>(packed.size()) == 4 * L
-                   : static_cast<int64_t>(weights.size()) == 4 * L && biases.size() == weights.size(),
-              "expected 4 projections per layer: packed int8 ones, or fp32 weights with their biases");
-  TORCH_CHECK(workspace.size() == 5, "workspace: x, qkv, ctx, tmp, ff");
-  const int64_t F = workspace[4].size(-1);
-  const char* names[] = {"workspace x", "workspace qkv", "workspace ctx", "workspace tmp", "workspace ff"};
+  xattn::check_tensor(norm_weight, at::kFloat, {L, 2, D}, "norm_weight [L, 2, D]");
+  xattn::check_tensor(norm_bias, at::kFloat, {L, 2, D}, "norm_bias [L, 2, D]");
+  TORCH_CHECK(workspace.size() == 5, "workspace: expected 5 tensors (x, qkv, ctx, tmp, ff), got ", workspace.size());
+  xattn::check_kind(workspace[4], at::kFloat, 2, true, "workspace[4] (ff [M, F])");
+  const int64_t F = workspace[4].size(1);
+  TORCH_CHECK(F > 0, "workspace[4] (ff [M, F]): expected F > 0, got ", xattn::describe(workspace[4]));
+  const char* names[] = {"x [M, D]", "qkv [M, 3D]", "ctx [M, D]", "tmp [M, D]", "ff [M, F]"};
   const int64_t widths[] = {D, 3 * D, D, D, F};
-  for (int i = 0; i < 5; ++i) check_matrix(workspace[i], M, widths[i], names[i]);
-  at::Tensor x = workspace[0], qkv = workspace[1], ctx = workspace[2], tmp = workspace[3], ff = workspace[4];
+  for (int i = 0; i < 5; ++i)
+    xattn::check_tensor(workspace[i], at::kFloat, {M, widths[i]}, "workspace[", i, "] (", names[i], ", M = B * S)");
+  const char* roles[] = {"qkv", "out", "fc1", "fc2"};
   const int64_t in_widths[] = {D, D, D, F}, out_widths[] = {3 * D, D, F, D};
-  if (!int8)
+  const bool int8 = !packed.empty();
+  if (int8) {
+    TORCH_CHECK(static_cast<int64_t>(packed.size()) == 4 * L, "packed: expected 4 projections per layer for ", L,
+                " layers (", 4 * L, "), got ", packed.size());
+    TORCH_CHECK(weights.empty() && biases.empty(),
+                "weights/biases: expected none with packed int8 projections (their biases are inside), got ",
+                weights.size(), " and ", biases.size());
     for (int64_t i = 0; i < 4 * L; ++i) {
-      check_matrix(weights[i], out_widths[i % 4], in_widths[i % 4], "each fp32 weight");
-      TORCH_CHECK(biases[i].numel() == out_widths[i % 4], "each bias must match its weight");
+      const c10::optional<at::Tensor> bias = packed[i]->bias();  // the output width, where fbgemm holds a bias
+      TORCH_CHECK(!bias.has_value() || bias->numel() == out_widths[i % 4], "packed[", i, "] (layer ", i / 4, " ",
+                  roles[i % 4], "): expected an [N=", out_widths[i % 4], ", K=", in_widths[i % 4],
+                  "] weight, got one with ", bias->numel(), " outputs");
     }
+  } else {
+    TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * L && biases.size() == weights.size(),
+                "weights/biases: expected 4 projections per layer for ", L, " layers (", 4 * L,
+                ") with a bias each, got ", weights.size(), " weights and ", biases.size(), " biases");
+    for (int64_t i = 0; i < 4 * L; ++i) {
+      xattn::check_tensor(weights[i], at::kFloat, {out_widths[i % 4], in_widths[i % 4]}, "weights[", i, "] (layer ",
+                          i / 4, " ", roles[i % 4], " [N, K])");
+      xattn::check_tensor(biases[i], at::kFloat, {out_widths[i % 4]}, "biases[", i, "] (layer ", i / 4, " ",
+                          roles[i % 4], ")");
+    }
+  }
+  at::Tensor x = workspace[0], qkv = workspace[1], ctx = workspace[2], tmp = workspace[3], ff = workspace[4];
 
   at::Tensor h = hidden.view({M, D});
   float* hp = h.data_ptr<float>();
@@ -164,7 +183,7 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   // out (+)= the projection i of in
   auto project = [&](int64_t i, const at::Tensor& in, at::Tensor& out, Store how) {
-    if (int8) return int8_product(packed[i], in, out, how);
+    if (int8) return int8_product(packed, i, in, out, how);
     if (how == Store::kSet) return void(at::addmm_out(out, biases[i], in, weights[i].t()));
     at::addmm_out(tmp, biases[i], in, weights[i].t());
     out.add_(tmp);
@@ -178,7 +197,7 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
     project(4 * l + 1, ctx, h, Store::kAdd);
     xattn::layer_norm(hp, M, D, gamma + D, beta + D, eps, x.data_ptr<float>());
     if (int8) {
-      int8_mlp(packed[4 * l + 2], packed[4 * l + 3], x, h, F);
+      int8_mlp(packed, 4 * l + 2, x, h, F);
     } else {
       project(4 * l + 2, x, ff, Store::kSet);
       at::gelu_(ff);  // exact (erf) GELU, in place

@@ -20,6 +20,7 @@
 #include <numeric>
 #include <vector>
 
+#include "checks.h"
 #include "products.h"
 #include "rowwise.h"
 
@@ -104,19 +105,53 @@ void attend(const float* q, const float* keys, const float* values, int64_t posi
   weighted_sum(scores.data(), values, positions, hd, exponentiate(scores.data(), positions, peak, mask), out);
 }
 
-// fp32 weights come as panels [N / 16, K, 16], int8 ones as blocks [N / 8, K / 32, 8, 32] with one scale per row
-// (products.h): whole panels and blocks, so that N and K follow from the shape.
-Weight weight_of(const at::Tensor& w, at::TensorList scales, at::TensorList biases, size_t i) {
-  TORCH_CHECK(w.is_contiguous(), "projection weights must be contiguous");
-  const bool int8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 ? w.dim() == 4 && w.size(2) == xattn::kRows && w.size(3) == xattn::kBytes
-                   : w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(2) == xattn::kPanel,
-              "projection weights must be float32 panels [N / 16, K, 16] or int8 blocks [N / 8, K / 32, 8, 32]");
-  TORCH_CHECK(!int8 || i < scales.size(), "int8 weights need their scales");
-  const int64_t N = int8 ? w.size(0) * xattn::kRows : w.size(0) * xattn::kPanel;
-  const int64_t K = int8 ? w.size(1) * xattn::kBytes : w.size(1);
-  return Weight{w.data_ptr(), int8 ? scales[i].data_ptr<float>() : nullptr,
-                i < biases.size() && biases[i].defined() ? biases[i].data_ptr<float>() : nullptr, N, K};
+const char* const kRoles[] = {"qkv", "attn_out", "cross_q", "cross_out", "mlp_in", "mlp_out"};
+
+// Every projection, checked against the shapes the step writes into (D wide hidden states, a qkv buffer [B, 3D], an
+// MLP buffer [B, F] with F = mlp_in's N): fp32 weights as whole panels [N / 16, K, 16], int8 ones as whole blocks
+// [N / 8, K / 32, 8, 32] with a float32 scale [N] each (products.h); biases float32 [N]. Whole panels and blocks
+// because the kernel takes N and K from the shape: a padded one would write its padding as output columns.
+std::vector<Weight> projections(at::TensorList weights, at::TensorList scales, at::TensorList biases,
+                                const std::vector<Packed>& packed, int64_t L, bool has_cross, int64_t D) {
+  const int64_t per_layer = has_cross ? 6 : 4;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * L, "weights: expected ", per_layer * L, " weights (",
+              per_layer, " projections per layer, ", L, " layers), got ", weights.size());
+  TORCH_CHECK(scales.empty() || scales.size() == weights.size(),
+              "scales: expected none (fp32 weights) or one per weight (", weights.size(), "), got ", scales.size());
+  TORCH_CHECK(biases.empty() || biases.size() == weights.size(),
+              "biases: expected none or one per weight (", weights.size(), "), got ", biases.size());
+  TORCH_CHECK(packed.empty() || packed.size() == weights.size(),
+              "packed: expected none or one per weight (", weights.size(), "), got ", packed.size());
+  std::vector<Weight> out;
+  for (int64_t i = 0; i < per_layer * L; ++i) {
+    const int64_t l = i / per_layer;
+    const int64_t slot = i % per_layer;
+    const char* role = kRoles[has_cross || slot < 2 ? slot : slot + 2];
+    const at::Tensor& w = weights[i];
+    const bool int8 = w.defined() && w.scalar_type() == at::kChar;
+    const int64_t unit = int8 ? xattn::kRows : xattn::kPanel;
+    xattn::check_kind(w, int8 ? at::kChar : at::kFloat, int8 ? 4 : 3, true, "weights[", i, "] (layer ", l, " ", role,
+                      ")");
+    int64_t N = D, K = D;
+    if (slot == 0) N = 3 * D;
+    if (slot == per_layer - 2) N = w.size(0) * unit;  // mlp_in: F
+    if (slot == per_layer - 1) K = out.back().N;  // mlp_out: [D, F]
+    TORCH_CHECK(N > 0 && N % unit == 0 && (!int8 || K % xattn::kBytes == 0), "weights[", i, "] (layer ", l, " ",
+                role, "): the fused step needs whole ", int8 ? "int8 blocks" : "fp32 panels", ", N (", N,
+                ") a multiple of ", unit, int8 ? " and K a multiple of 32" : "", ", got ", xattn::describe(w));
+    xattn::check_weight(w, int8 ? at::kChar : at::kFloat, N, K, "weights[", i, "] (layer ", l, " ", role, ")");
+    TORCH_CHECK(!int8 || !scales.empty(), "scales: int8 weights need one scale tensor per weight, got none");
+    if (int8) xattn::check_tensor(scales[i], at::kFloat, {N}, "scales[", i, "] (layer ", l, " ", role, ")");
+    if (!biases.empty()) xattn::check_tensor(biases[i], at::kFloat, {N}, "biases[", i, "] (layer ", l, " ", role, ")");
+    if (!packed.empty()) {
+      const c10::optional<at::Tensor> bias = packed[i]->bias();  // the output width, where fbgemm holds a bias
+      TORCH_CHECK(!bias.has_value() || bias->numel() == N, "packed[", i, "] (layer ", l, " ", role,
+                  "): expected an [N=", N, ", K=", K, "] weight, got one with ", bias->numel(), " outputs");
+    }
+    out.push_back(Weight{w.data_ptr(), int8 ? scales[i].data_ptr<float>() : nullptr,
+                         biases.empty() ? nullptr : biases[i].data_ptr<float>(), N, K});
+  }
+  return out;
 }
 
 at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
@@ -126,48 +161,64 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
                           const c10::optional<at::Tensor>& cross_values, const c10::optional<at::Tensor>& cross_mask,
                           const c10::optional<at::Tensor>& enc_index, const at::Tensor& position,
                           at::ArrayRef<double> scalings, double eps) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.device().is_cpu(),
-              "hidden must be a float32 CPU [B, D] tensor");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && keys.sizes() == values.sizes(),
-              "self-attention K/V must be contiguous [L, B, H, T_max, hd] tensors");
+  // everything is checked before the cache is written, so a refused call leaves it as it was (all but the width of a
+  // packed weight without a bias, which only its product shows)
+  xattn::check_kind(hidden, at::kFloat, 2, false, "hidden [B, D]");
+  xattn::check_kind(keys, at::kFloat, 5, true, "keys [L, B, H, T_max, hd]");
   const int64_t L = keys.size(0), B = hidden.size(0), D = hidden.size(1), H = keys.size(2), T = keys.size(3),
                 hd = keys.size(4);
-  TORCH_CHECK(keys.size(1) == B && H * hd == D, "the cache does not match hidden's rows or width");
-  const bool has_cross = cross_keys.has_value();
-  const int64_t per_layer = has_cross ? 6 : 4;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * L, "expected ", per_layer * L, " weights");
-  TORCH_CHECK(packed.empty() || packed.size() == weights.size(), "packed: none, or one per weight");
-  TORCH_CHECK(norm_weight.is_contiguous() && norm_bias.is_contiguous() && norm_weight.numel() == L * 3 * D &&
-                  norm_bias.numel() == L * 3 * D,
-              "norm_weight/norm_bias must be contiguous [L, 3, D]");
-  TORCH_CHECK(static_cast<int64_t>(scalings.size()) == L, "one scaling per layer");
+  TORCH_CHECK(keys.size(1) == B && H * hd == D, "keys: the cache does not match hidden's rows or width: expected [L, B=",
+              B, ", H, T_max, hd] with H * hd = D = ", D, ", got ", xattn::describe(keys));
+  xattn::check_tensor(values, at::kFloat, keys.sizes(), "values (keys' shape)");
+  xattn::check_tensor(norm_weight, at::kFloat, {L, 3, D}, "norm_weight [L, 3, D]");
+  xattn::check_tensor(norm_bias, at::kFloat, {L, 3, D}, "norm_bias [L, 3, D]");
+  TORCH_CHECK(static_cast<int64_t>(scalings.size()) == L, "scalings: expected one per layer (", L, "), got ",
+              scalings.size());
+  TORCH_CHECK(position.defined() && position.numel() == 1 && at::isIntegralType(position.scalar_type(), false),
+              "position: expected one integer, got ", xattn::describe(position));
   const int64_t p = position.item<int64_t>();
   TORCH_CHECK(p >= 0 && p < T, "position ", p, " is outside the cache (", T, " positions)");
+  const bool has_cross = cross_keys.has_value();
+  const int64_t per_layer = has_cross ? 6 : 4;
+  const std::vector<Weight> ws = projections(weights, scales, biases, packed, L, has_cross, D);
 
   int64_t B_enc = 1, S = 0;
   const float *ck = nullptr, *cv = nullptr;
-  const bool* cmask = nullptr;
+  at::Tensor mask;
   std::vector<int64_t> enc_row(B);
+  TORCH_CHECK(has_cross || !(cross_values.has_value() || cross_mask.has_value() || enc_index.has_value()),
+              "cross_values, cross_mask and enc_index need cross_keys");
   if (has_cross) {
-    TORCH_CHECK(cross_values.has_value() && cross_keys->is_contiguous() && cross_values->is_contiguous() &&
-                    cross_keys->dim() == 5 && cross_keys->sizes() == cross_values->sizes() &&
-                    cross_keys->size(0) == L && cross_keys->size(2) == H && cross_keys->size(4) == hd,
-                "cross K/V must be contiguous [L, B_enc, H, S, hd] tensors");
+    xattn::check_kind(*cross_keys, at::kFloat, 5, true, "cross_keys [L, B_enc, H, S, hd]");
     B_enc = cross_keys->size(1);
     S = cross_keys->size(3);
+    xattn::check_tensor(*cross_keys, at::kFloat, {L, B_enc, H, S, hd}, "cross_keys [L, B_enc, H, S, hd]");
+    TORCH_CHECK(B_enc > 0, "cross_keys: expected at least one encoder row, got ", xattn::describe(*cross_keys));
+    TORCH_CHECK(cross_values.has_value(), "cross_keys need cross_values");
+    xattn::check_tensor(*cross_values, at::kFloat, cross_keys->sizes(), "cross_values (cross_keys' shape)");
     ck = cross_keys->data_ptr<float>();
     cv = cross_values->data_ptr<float>();
     if (cross_mask.has_value()) {
-      TORCH_CHECK(cross_mask->scalar_type() == at::kBool && cross_mask->is_contiguous() &&
-                      cross_mask->numel() == B_enc * S,
-                  "cross_mask must be a contiguous bool [B_enc, S] tensor");
-      cmask = cross_mask->data_ptr<bool>();
+      xattn::check_kind(*cross_mask, at::kBool, 2, false, "cross_mask");
+      mask = cross_mask->contiguous();
+      xattn::check_tensor(mask, at::kBool, {B_enc, S}, "cross_mask [B_enc, S]");
     }
-    for (int64_t b = 0; b < B; ++b) {
-      enc_row[b] = enc_index.has_value() ? enc_index->data_ptr<int64_t>()[b] : b / (B / B_enc);
-      TORCH_CHECK(enc_row[b] >= 0 && enc_row[b] < B_enc, "encoder row out of range");
+    if (enc_index.has_value()) {
+      xattn::check_kind(*enc_index, at::kLong, 1, false, "enc_index");
+      const at::Tensor rows = enc_index->contiguous();
+      xattn::check_tensor(rows, at::kLong, {B}, "enc_index [B]");
+      for (int64_t b = 0; b < B; ++b) {
+        enc_row[b] = rows.data_ptr<int64_t>()[b];
+        TORCH_CHECK(enc_row[b] >= 0 && enc_row[b] < B_enc, "enc_index[", b, "] = ", enc_row[b],
+                    " is outside the ", B_enc, " encoder rows");
+      }
+    } else {
+      TORCH_CHECK(B % B_enc == 0, "without enc_index the ", B, " rows must be a multiple of the ", B_enc,
+                  " encoder rows");
+      for (int64_t b = 0; b < B; ++b) enc_row[b] = b / (B / B_enc);
     }
   }
+  const bool* cmask = mask.defined() ? mask.data_ptr<bool>() : nullptr;
 
   at::Tensor out = hidden.contiguous().clone();
   float* h = out.data_ptr<float>();
@@ -206,18 +257,17 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
     // than xattn's from ~5 rows on), else xattn's
     auto project = [&](const float* in, float* y, Store how) {
       const int64_t i = next++;
-      const Weight w = weight_of(weights[i], scales, biases, i);
+      const Weight& w = ws[i];
       if (packed.empty()) return xattn::product(in, B, w, y, how);
       const at::Tensor result =
           packed[i]->apply_dynamic(at::from_blob(const_cast<float*>(in), {B, w.K}, hidden.options()), true);
+      xattn::check_tensor(result, at::kFloat, {B, w.N}, "packed[", i, "]'s product (layer ", l, ")");
       const float* r = result.data_ptr<float>();
       for (int64_t j = 0; j < B * w.N; ++j) y[j] = how == Store::kAdd ? y[j] + r[j] : r[j];
     };
 
     // self-attention: K/V of this position into the cache, then attend over positions 0..p
     layer_norm(h, B, D, gamma, beta, eps, x.data());
-    const Weight qkv_w = weight_of(weights[next], scales, biases, next);
-    TORCH_CHECK(qkv_w.N == 3 * D && qkv_w.K == D, "layer ", l, ": qkv weight must be [3D, D]");
     project(x.data(), qkv.data(), Store::kSet);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t head = 0; head < H; ++head) {
@@ -245,7 +295,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
     }
 
     layer_norm(h, B, D, gamma + 2 * D, beta + 2 * D, eps, x.data());
-    const int64_t width = weight_of(weights[next], scales, biases, next).N;
+    const int64_t width = ws[next].N;
     inner.resize(B * width);
     project(x.data(), inner.data(), Store::kSet);
     at::Tensor activations = at::from_blob(inner.data(), {B, width}, hidden.options());

@@ -7,13 +7,13 @@
 
 #include <vector>
 
+#include "checks.h"
 #include "products.h"
 
 namespace {
 
 at::Tensor run(const at::Tensor& x, const at::Tensor& weight, int64_t N, int64_t K, const float* scale,
                const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's K");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
@@ -23,30 +23,32 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, int64_t N, int64_t
   return y.view(shape);
 }
 
-void check_x(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a float32 CPU tensor");
+// x [..., K] (any strides: it is copied to rows), n > 0 output columns
+void check_x(const at::Tensor& x, int64_t N) {
+  xattn::check_kind(x, at::kFloat, -1, false, "x");
+  TORCH_CHECK(x.dim() >= 1, "x: expected a tensor [..., K], got ", xattn::describe(x));
+  TORCH_CHECK(N > 0, "n: expected a positive number of output columns, got ", N);
 }
 
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias) {
-  check_x(x);
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kFloat && N > 0 && panels.size(0) == (N + 15) / 16,
-              "weight must be contiguous float32 panels [ceil(N / 16), K, 16] (xattn.kernels.panels)");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N elements");
-  return run(x, panels, N, panels.size(1), nullptr, bias);
+  check_x(x, N);
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(panels.dim() != 3 || panels.size(1) == K, "x's last dimension (", K, ") must be the weight's K (",
+              panels.size(1), ")");
+  xattn::check_weight(panels, at::kFloat, N, K, "weight");
+  xattn::check_bias(bias, N, "bias");
+  return run(x, panels, N, K, nullptr, bias);
 }
 
 at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
-  check_x(x);
+  check_x(x, N);
   const int64_t K = x.size(-1);
-  TORCH_CHECK(blocks.dim() == 4 && blocks.size(2) == 8 && blocks.size(3) == 32 && blocks.is_contiguous() &&
-                  blocks.scalar_type() == at::kChar && N > 0 && blocks.size(0) == (N + 7) / 8 &&
-                  blocks.size(1) == (K + 31) / 32,
-              "weight must be contiguous int8 blocks [ceil(N / 8), ceil(K / 32), 8, 32] (xattn.kernels.int8_blocks) "
-              "for x's last dimension");
-  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == at::kFloat, "scale must be float32 [N]");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N elements");
+  TORCH_CHECK(blocks.dim() != 4 || blocks.size(1) == (K + 31) / 32, "x's last dimension (", K,
+              ") does not fit the weight's ", blocks.size(1), " blocks of 32 columns");
+  xattn::check_weight(blocks, at::kChar, N, K, "weight");
+  xattn::check_tensor(scale, at::kFloat, {N}, "scale");
+  xattn::check_bias(bias, N, "bias");
   return run(x, blocks, N, K, scale.data_ptr<float>(), bias);
 }
 

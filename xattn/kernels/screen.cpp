@@ -19,6 +19,7 @@
 #include <cmath>
 #include <vector>
 
+#include "checks.h"
 #include "products.h"
 
 namespace {
@@ -49,18 +50,17 @@ struct Best {
 at::Tensor greedy_tokens(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias_opt,
                          const at::Tensor& screen, const at::Tensor& scale, const at::Tensor& bounds,
                          const at::Tensor& forbidden) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = bounds.size(-1);
-  TORCH_CHECK(screen.dim() == 4 && screen.size(0) == (N + 7) / 8 && screen.size(1) == (K + 31) / 32 &&
-                  screen.scalar_type() == at::kChar && screen.is_contiguous(),
-              "screen must be the head's int8 blocks [ceil(N / 8), ceil(K / 32), 8, 32] with x's K");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (N + 15) / 16 && panels.size(1) == K && panels.size(2) == 16 &&
-                  panels.scalar_type() == at::kFloat && panels.is_contiguous(),
-              "panels must be the head's fp32 panels [ceil(N / 16), K, 16] with x's K");
-  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == at::kFloat, "scale must be float32 [N]");
-  TORCH_CHECK(bounds.dim() == 2 && bounds.size(0) == 3 && bounds.size(1) == N && bounds.scalar_type() == at::kFloat &&
-                  bounds.is_contiguous(), "bounds must be contiguous float32 [3, N]");
-  TORCH_CHECK(forbidden.scalar_type() == at::kLong, "forbidden must be int64 token ids");
+  xattn::check_kind(x, at::kFloat, 2, true, "x");
+  xattn::check_kind(bounds, at::kFloat, 2, true, "bounds");
+  const int64_t M = x.size(0), K = x.size(1), N = bounds.size(1);
+  TORCH_CHECK(N > 0, "bounds: expected [3, N] for a vocabulary of N > 0 tokens, got ", xattn::describe(bounds));
+  xattn::check_tensor(bounds, at::kFloat, {3, N}, "bounds");
+  xattn::check_weight(panels, at::kFloat, N, K, "panels (the head's fp32 weight, with bounds' N and x's K)");
+  xattn::check_weight(screen, at::kChar, N, K, "screen (the head's int8 copy, with bounds' N and x's K)");
+  xattn::check_tensor(scale, at::kFloat, {N}, "scale");
+  xattn::check_bias(bias_opt, N, "bias");
+  xattn::check_kind(forbidden, at::kLong, -1, false, "forbidden");
+  TORCH_CHECK(forbidden.dim() <= 1, "forbidden: expected token ids [F], got ", xattn::describe(forbidden));
   const float* bias = bias_opt.has_value() ? bias_opt->data_ptr<float>() : nullptr;
   const xattn::Weight w32{panels.data_ptr(), nullptr, bias, N, K};
   const float* err2 = bounds.data_ptr<float>();

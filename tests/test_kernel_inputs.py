@@ -1,0 +1,281 @@
+"""Hostile input to xattn's kernels: each op, given a valid call (built as xattn's callers build it, at tiny sizes)
+with one argument made wrong, refuses it with a RuntimeError naming that argument, where an unchecked op would
+read or write past a buffer, divide by zero, or quietly compute with the wrong shape."""
+
+import pytest
+import torch
+
+from xattn import kernels
+from xattn.weights import prepack_int8
+
+pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
+
+L, B, H, HD, T, S, B_ENC, F = 2, 2, 4, 8, 8, 5, 2, 64  # layers, rows, heads, head dim, cache, encoder positions
+D = H * HD
+SHAPES = [(3 * D, D), (D, D), (D, D), (D, D), (F, D), (D, F)]  # [N, K] of qkv, attn_out, cross_q, cross_out, mlp_in/out
+
+
+def _randn(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def _quantized(n, k):
+    """An [n, k] int8 weight as the int8 format holds it (xattn.weights.Int8Linear): blocks, scales, fbgemm's copy."""
+    weight = _randn(n, k)
+    quantized, packed = prepack_int8(weight, _randn(n))
+    return kernels.int8_blocks(quantized.int_repr()), quantized.q_per_channel_scales().float(), packed
+
+
+def _non_contiguous(t):
+    """t's values in a tensor of t's shape whose last dimension is strided."""
+    return torch.zeros(*t.shape, 2, dtype=t.dtype)[..., 0].copy_(t)
+
+
+def decoder_args(int8=False, cross=True):
+    """The arguments xattn.fused.FusedLayers passes: fp32 panels with biases, or int8 blocks with their scales and
+    fbgemm's packed copies; the cache's tensors (xattn/cache.py) with beams gathered by enc_index."""
+    shapes = [s for _ in range(L) for i, s in enumerate(SHAPES) if cross or i not in (2, 3)]
+    if int8:
+        weights, scales, packed = map(list, zip(*(_quantized(n, k) for n, k in shapes)))
+    else:
+        weights, scales, packed = [kernels.panels(_randn(n, k)) for n, k in shapes], [], []
+    return dict(
+        hidden=_randn(B, D), norm_weight=1 + 0.1 * _randn(L, 3, D), norm_bias=0.1 * _randn(L, 3, D), weights=weights,
+        scales=scales, biases=[_randn(n) for n, _ in shapes], packed=packed, keys=torch.zeros(L, B, H, T, HD),
+        values=torch.zeros(L, B, H, T, HD), cross_keys=_randn(L, B_ENC, H, S, HD) if cross else None,
+        cross_values=_randn(L, B_ENC, H, S, HD) if cross else None,
+        cross_mask=torch.tensor([[True] * S, [True] * (S - 1) + [False]]) if cross else None,
+        enc_index=torch.tensor([1, 0]) if cross else None, position=torch.tensor(3), scalings=[HD ** -0.5] * L,
+        eps=1e-5,
+    )
+
+
+def _replace(name, index, make):
+    """args[name][index] = make()"""
+    def change(args):
+        args[name] = list(args[name])
+        args[name][index] = make()
+    return change
+
+
+def _set(**makes):
+    """args[name] = make() for each name"""
+    return lambda args: args.update({name: make() for name, make in makes.items()})
+
+
+def _edit(name, edit):
+    """args[name] = edit(args[name])"""
+    return lambda args: args.update({name: edit(args[name])})
+
+
+def _no_cross_but(**makes):
+    def change(args):
+        args.update(decoder_args(cross=False))
+        _set(**makes)(args)
+    return change
+
+
+def _panels(n, k):
+    return lambda: kernels.panels(_randn(n, k))
+
+
+def _case(change, message, id):
+    return pytest.param(change, message, id=id)
+
+
+DECODER_CASES = [
+    _case(_replace("weights", 1, _panels(D // 2, D)), r"weights\[1\] \(layer 0 attn_out\)", "attn_out too narrow"),
+    _case(_replace("weights", 1, _panels(2 * D, D)), r"weights\[1\] \(layer 0 attn_out\)", "attn_out too wide"),
+    _case(_replace("weights", 7, _panels(D, 2 * D)), r"weights\[7\] \(layer 1 attn_out\)", "attn_out K too large"),
+    _case(_replace("weights", 2, _panels(3 * D, D)), r"weights\[2\] \(layer 0 cross_q\)", "cross_q too wide"),
+    _case(_replace("weights", 5, _panels(D, D)), r"weights\[5\] \(layer 0 mlp_out\)", "mlp_out K not mlp_in N"),
+    _case(_replace("weights", 0, lambda: kernels.panels(_randn(3 * D, D)).double()), r"weights\[0\] \(layer 0 qkv\)",
+          "float64 weight"),
+    _case(_replace("weights", 1, lambda: _non_contiguous(kernels.panels(_randn(D, D)))),
+          r"weights\[1\].*non-contiguous", "non-contiguous weight"),
+    _case(_edit("weights", lambda w: w[:-1]), r"weights: expected 12 weights", "one weight missing"),
+    _case(_replace("biases", 1, lambda: _randn(D // 2)), r"biases\[1\] \(layer 0 attn_out\)", "bias too short"),
+    _case(_replace("biases", 4, lambda: _randn(F + 1)), r"biases\[4\] \(layer 0 mlp_in\)", "bias too long"),
+    _case(_replace("biases", 0, lambda: _randn(3 * D).double()), r"biases\[0\] \(layer 0 qkv\)", "float64 bias"),
+    _case(_edit("biases", lambda b: b[:-1]), r"biases: expected none or one per weight", "one bias missing"),
+    _case(_edit("norm_weight", lambda t: t.view(L, 3 * D)), r"norm_weight \[L, 3, D\]: expected", "norm_weight 2-d"),
+    _case(_edit("norm_bias", torch.Tensor.double), r"norm_bias \[L, 3, D\]: expected", "float64 norm_bias"),
+    _case(_edit("hidden", torch.Tensor.double), r"hidden \[B, D\]: expected", "float64 hidden"),
+    _case(_edit("keys", torch.Tensor.double), r"keys \[L, B, H, T_max, hd\]: expected", "float64 keys"),
+    _case(_edit("keys", _non_contiguous), r"keys.*non-contiguous", "non-contiguous keys"),
+    _case(_set(values=lambda: torch.zeros(L, B, H, T - 1, HD)), r"values \(keys' shape\)", "shorter values"),
+    _case(_set(cross_keys=lambda: torch.zeros(L, B_ENC, H // 2, S, 2 * HD)), r"cross_keys \[L, B_enc, H, S, hd\]",
+          "cross_keys with another head split"),
+    _case(_set(cross_values=lambda: torch.zeros(L, B_ENC, H, S - 1, HD)), r"cross_values \(cross_keys' shape\)",
+          "cross_values with fewer positions"),
+    _case(_edit("cross_mask", torch.Tensor.flatten), r"cross_mask: expected", "cross_mask flattened"),
+    _case(_edit("cross_mask", lambda m: m.to(torch.uint8)), r"cross_mask: expected", "uint8 cross_mask"),
+    _case(_set(enc_index=lambda: torch.tensor([0])), r"enc_index \[B\]: expected", "enc_index too short"),
+    _case(_set(enc_index=lambda: torch.tensor([0, B_ENC])), r"enc_index\[1\] = 2 is outside", "enc_index too large"),
+    _case(_set(enc_index=lambda: torch.tensor([-1, 0])), r"enc_index\[0\] = -1 is outside", "negative enc_index"),
+    _case(_set(enc_index=lambda: torch.tensor([1, 0], dtype=torch.int32)), r"enc_index: expected", "int32 enc_index"),
+    _case(_set(enc_index=lambda: None, cross_mask=lambda: None, cross_keys=lambda: _randn(L, 3, H, S, HD),
+               cross_values=lambda: _randn(L, 3, H, S, HD)),
+          r"multiple of the 3 encoder rows", "more encoder rows than rows without enc_index"),  # was a division by 0
+    _case(_no_cross_but(enc_index=lambda: torch.tensor([0, 0])), r"need cross_keys", "enc_index without cross_keys"),
+    _case(_set(position=lambda: torch.tensor(2.5)), r"position: expected one integer", "fractional position"),
+    _case(_set(position=lambda: torch.tensor([1, 2])), r"position: expected one integer", "two positions"),
+    _case(_set(scalings=lambda: [1.0]), r"scalings: expected one per layer", "one scaling missing"),
+]
+INT8_CASES = [
+    _case(_replace("scales", 1, lambda: torch.ones(D // 2)), r"scales\[1\] \(layer 0 attn_out\)", "scale too short"),
+    _case(_edit("scales", lambda s: s[:-1]), r"scales: expected none", "one scale missing"),
+    _case(_set(scales=lambda: []), r"scales: int8 weights need", "no scales"),
+    _case(_replace("weights", 1, lambda: _quantized(2 * D, D)[0]), r"weights\[1\] \(layer 0 attn_out\).*int8 blocks",
+          "int8 blocks too wide"),
+    _case(_edit("packed", lambda p: p[:-1]), r"packed: expected none or one", "one packed weight missing"),
+    _case(_replace("packed", 1, lambda: _quantized(D // 2, D)[2]), r"packed\[1\] \(layer 0 attn_out\)",
+          "packed weight too narrow"),
+    _case(_replace("packed", 1, lambda: prepack_int8(_randn(D // 2, D), None)[1]), r"packed\[1\]'s product",
+          "packed weight without bias too narrow"),
+]
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_valid_call_runs(int8):
+    args = decoder_args(int8)
+    out = kernels.decoder_layers(**args)
+    assert out.shape == (B, D) and torch.isfinite(out).all() and args["keys"][:, :, :, 3].abs().sum() > 0
+    assert kernels.decoder_layers(**decoder_args(cross=False)).shape == (B, D)
+
+
+@pytest.mark.parametrize("change,message", DECODER_CASES)
+def test_decoder_layers_refuses(change, message):
+    args = decoder_args()
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.decoder_layers(**args)
+
+
+@pytest.mark.parametrize("change,message", INT8_CASES)
+def test_decoder_layers_refuses_int8(change, message):
+    args = decoder_args(int8=True)
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.decoder_layers(**args)
+
+
+def test_a_refused_step_leaves_the_cache_as_it_was():
+    args = decoder_args()
+    _replace("weights", 7, _panels(2 * D, D))(args)  # layer 1's: the check comes before layer 0 runs
+    with pytest.raises(RuntimeError, match=r"weights\[7\]"):
+        kernels.decoder_layers(**args)
+    assert not args["keys"].any() and not args["values"].any()
+
+
+def _products(int8):
+    """matvec's or matvec_int8's valid arguments for x [2, 40] times an [N = 5, K = 40] weight."""
+    x, bias = _randn(2, 40), _randn(5)
+    if int8:
+        blocks, scale, _ = _quantized(5, 40)
+        return kernels.matvec_int8, dict(x=x, blocks=blocks, n=5, scale=scale, bias=bias)
+    return kernels.matvec, dict(x=x, weight_panels=kernels.panels(_randn(5, 40)), n=5, bias=bias)
+
+
+PRODUCT_CASES = [  # (int8, change, message)
+    pytest.param(False, _set(bias=lambda: _randn(4)), r"bias: expected", id="bias too short"),
+    pytest.param(False, _set(bias=lambda: _randn(5).double()), r"bias: expected", id="float64 bias"),
+    pytest.param(True, _set(bias=lambda: _randn(1, 5)), r"bias: expected", id="bias [1, N]"),
+    pytest.param(False, _edit("x", torch.Tensor.double), r"x: expected", id="float64 x"),
+    pytest.param(False, _set(n=lambda: 0), r"n: expected a positive", id="n = 0"),
+    pytest.param(False, _set(n=lambda: 17), r"weight: expected contiguous CPU float32 panels \[2, 40, 16\]",
+                 id="panels for fewer columns"),
+    pytest.param(True, _set(n=lambda: 9), r"weight: expected contiguous CPU int8 blocks \[2, 2, 8, 32\]",
+                 id="blocks for fewer columns"),
+    pytest.param(True, _edit("scale", torch.Tensor.double), r"scale: expected", id="float64 scale"),
+    pytest.param(True, _edit("scale", lambda s: s[:, None]), r"scale: expected", id="scale [N, 1]"),
+    pytest.param(True, _edit("scale", _non_contiguous), r"scale: expected", id="non-contiguous scale"),
+]
+
+
+@pytest.mark.parametrize("int8,change,message", PRODUCT_CASES)
+def test_products_refuse(int8, change, message):
+    op, args = _products(int8)
+    op(**args)  # valid as built
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        op(**args)
+
+
+def head_args():
+    """xattn.head.GreedyHead's arguments for a vocabulary of 40 and width 32, two rows."""
+    from xattn.head import GreedyHead
+    from xattn.weights import PackedLinear
+
+    head = GreedyHead(PackedLinear(_randn(40, 32), _randn(40)))
+    return dict(x=_randn(2, 32), weight_panels=head.panels, bias=head.bias, screen=head.screen, scale=head.scales,
+                bounds=head.bounds, forbidden=torch.tensor([2]))
+
+
+HEAD_CASES = [
+    _case(_edit("bounds", lambda b: b[:2].contiguous()), r"bounds: expected", "bounds [2, N]"),
+    _case(_edit("screen", lambda s: s.view(5, 1, 16, 16)), r"screen \(the head's int8 copy",
+          "screen with another inner layout"),
+    _case(_set(weight_panels=_panels(40, 16)), r"panels \(the head's fp32 weight", "panels with another K"),
+    _case(_set(bias=lambda: _randn(39)), r"bias: expected", "bias too short"),
+    _case(_set(bias=lambda: _randn(40).double()), r"bias: expected", "float64 bias"),
+    _case(_edit("scale", _non_contiguous), r"scale: expected", "non-contiguous scale"),
+    _case(_set(forbidden=lambda: torch.tensor([2], dtype=torch.int32)), r"forbidden: expected", "int32 forbidden"),
+    _case(_set(forbidden=lambda: torch.tensor([[2]])), r"forbidden: expected token ids \[F\]", "forbidden [1, F]"),
+    _case(_edit("x", _non_contiguous), r"x: expected a contiguous", "non-contiguous x"),
+]
+
+
+@pytest.mark.parametrize("change,message", HEAD_CASES)
+def test_greedy_tokens_refuses(change, message):
+    args = head_args()
+    assert kernels.greedy_tokens(**args).shape == (2,)  # valid as built
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.greedy_tokens(**args)
+
+
+M, F_VIT = B * S, 48  # encoder rows (images x positions), MLP width
+
+
+def encoder_args(int8=False):
+    """xattn.vit.ViTEncoder's arguments: fp32 weights [N, K] with biases, or fbgemm's packed ones; a workspace."""
+    shapes = [(3 * D, D), (D, D), (F_VIT, D), (D, F_VIT)] * L
+    weights, biases = [_randn(n, k) for n, k in shapes], [_randn(n) for n, _ in shapes]
+    packed = [prepack_int8(w, b)[1] for w, b in zip(weights, biases)] if int8 else []
+    return dict(hidden=_randn(B, S, D), norm_weight=1 + 0.1 * _randn(L, 2, D), norm_bias=0.1 * _randn(L, 2, D),
+                weights=[] if int8 else weights, biases=[] if int8 else biases, packed=packed, heads=H, eps=1e-12,
+                workspace=[torch.empty(M, n) for n in (D, 3 * D, D, D, F_VIT)])
+
+
+ENCODER_CASES = [  # (int8, change, message)
+    pytest.param(False, _set(heads=lambda: 5), r"heads: expected a divisor", id="heads not dividing D"),
+    pytest.param(False, _edit("norm_bias", lambda t: t.view(L, 2 * D)), r"norm_bias \[L, 2, D\]: expected",
+                 id="norm_bias 2-d"),
+    pytest.param(False, _replace("weights", 3, lambda: _randn(D, F_VIT + 1)), r"weights\[3\] \(layer 0 fc2",
+                 id="fc2 K not fc1 N"),
+    pytest.param(False, _replace("weights", 0, lambda: _randn(3 * D, D).double()), r"weights\[0\] \(layer 0 qkv",
+                 id="float64 weight"),
+    pytest.param(False, _replace("biases", 1, lambda: _randn(1, D)), r"biases\[1\] \(layer 0 out\)", id="bias [1, N]"),
+    pytest.param(False, _edit("biases", lambda b: b[:-1]), r"weights/biases: expected 4", id="one bias missing"),
+    pytest.param(False, _replace("workspace", 1, lambda: torch.empty(M - 1, 3 * D)), r"workspace\[1\] \(qkv",
+                 id="workspace qkv one row short"),
+    pytest.param(False, _edit("workspace", lambda w: w[:4]), r"workspace: expected 5", id="workspace of four"),
+    pytest.param(False, _edit("hidden", _non_contiguous), r"hidden \[B, S, D\]: expected", id="non-contiguous hidden"),
+    pytest.param(True, _edit("packed", lambda p: p[:-1]), r"packed: expected 4", id="one packed weight missing"),
+    pytest.param(True, _set(weights=lambda: [_randn(3 * D, D)]), r"weights/biases: expected none",
+                 id="packed and fp32 weights"),
+    pytest.param(True, _replace("packed", 1, lambda: prepack_int8(_randn(D // 2, D), _randn(D // 2))[1]),
+                 r"packed\[1\] \(layer 0 out\)", id="packed weight too narrow"),
+    pytest.param(True, _replace("packed", 0, lambda: prepack_int8(_randn(D, D), None)[1]), r"packed\[0\]'s product",
+                 id="packed weight without bias too narrow"),
+]
+
+
+@pytest.mark.parametrize("int8,change,message", ENCODER_CASES)
+def test_encoder_layers_refuses(int8, change, message):
+    args = encoder_args(int8)
+    kernels.encoder_layers(**args)  # valid as built
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.encoder_layers(**args)
