@@ -125,7 +125,7 @@ def _speak(args) -> int:
     import torch
 
     from .codes import SAMPLE_RATE
-    from .files import check_output, replaced_atomically
+    from .files import cannot_write, check_output, replaced_atomically
     from .speak import Speaker, check_text
 
     check_text(args.text)
@@ -139,20 +139,23 @@ def _speak(args) -> int:
         kwargs["generator"] = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     # written beside the target and renamed when complete: a refusal or a kill leaves an existing file as it was
-    with replaced_atomically(args.output) as tmp, \
-            soundfile.SoundFile(tmp, "w", samplerate=SAMPLE_RATE, channels=1, subtype="PCM_16") as out:
-        if args.stream:
-            pieces = []
-            for i, piece in enumerate(speaker.stream(args.text, args.voice, **kwargs)):
-                if i == 0:
-                    print(f"first audio after {time.perf_counter() - start:.2f} s", file=sys.stderr)
-                out.write(piece)
-                out.flush()
-                pieces.append(piece)
-            audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-        else:
-            audio = speaker.speak(args.text, args.voice, **kwargs)
-            out.write(audio)
+    try:
+        with replaced_atomically(args.output) as tmp, \
+                soundfile.SoundFile(tmp, "w", samplerate=SAMPLE_RATE, channels=1, subtype="PCM_16") as out:
+            if args.stream:
+                pieces = []
+                for i, piece in enumerate(speaker.stream(args.text, args.voice, **kwargs)):
+                    if i == 0:
+                        print(f"first audio after {time.perf_counter() - start:.2f} s", file=sys.stderr)
+                    out.write(piece)
+                    out.flush()
+                    pieces.append(piece)
+                audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+            else:
+                audio = speaker.speak(args.text, args.voice, **kwargs)
+                out.write(audio)
+    except (OSError, soundfile.SoundFileRuntimeError) as error:
+        raise cannot_write("-o", args.output, error) from None
     seconds = len(audio) / SAMPLE_RATE
     print(f"wrote {args.output}: {seconds:.2f} s of audio in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     if args.spectrogram:

@@ -5,6 +5,7 @@ full disk never leaves a truncated file where a good one was."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -14,10 +15,10 @@ def check_output(path: str, option: str, extensions: tuple[str, ...] | None = No
     """ValueError (one line, naming `option`) unless `path` can be written as a regular file."""
     if not path:
         raise ValueError(f"{option} is empty: name a file")
-    if extensions is not None and not path.lower().endswith(extensions):
-        raise ValueError(f"{option} {path}: name a file ending in {' or '.join(extensions)}")
     if os.path.isdir(path):
         raise ValueError(f"{option} {path}: is a folder; name a file inside it")
+    if extensions is not None and not path.lower().endswith(extensions):
+        raise ValueError(f"{option} {path}: name a file ending in {' or '.join(extensions)}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ValueError(f"{option} {path}: the folder {parent} does not exist")
@@ -28,6 +29,17 @@ def check_output(path: str, option: str, extensions: tuple[str, ...] | None = No
             raise ValueError(f"{option} {path}: not writable (permission denied)")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {path}: cannot write in {parent} (permission denied)")
+
+
+def cannot_write(option: str, path: str, error: Exception) -> ValueError:
+    """A one-line error for a failed write; libraries that hide errno (libsndfile) are checked against the disk."""
+    folder = os.path.dirname(os.path.abspath(path))
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    with contextlib.suppress(OSError):
+        free = os.statvfs(folder)
+        full = full or free.f_bavail * free.f_frsize < 64 * 1024
+    reason = "the disk is full" if full else (getattr(error, "strerror", None) or str(error).strip().splitlines()[0])
+    return ValueError(f"{option} {path}: cannot write ({reason})")
 
 
 @contextlib.contextmanager

@@ -4,7 +4,6 @@ equals an unbroken run's byte for byte: batches are cut from the file list, not 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -12,7 +11,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 
-from .files import check_output
+from .files import cannot_write, check_output
 
 _OUR_LINE_START = b'{"file": '  # how every line this module writes begins (json.dumps of a dict led by "file")
 
@@ -101,10 +100,8 @@ class JobOutput:
             while data:
                 data = data[os.write(self._fd, data):]
         except OSError as error:
-            reason = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else \
-                error.strerror
-            raise ValueError(f"-o {self.path}: cannot write ({reason}); the results before it are kept: re-run "
-                             "the same command to resume") from None
+            raise ValueError(f"{cannot_write('-o', self.path, error)}; the results before it are kept: re-run the "
+                             "same command to resume") from None
 
     def close(self) -> None:
         if self._fd is not None:
