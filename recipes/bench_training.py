@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+from xattn.files import save_json
+
 
 def measure(checkpointing: bool, batch: int) -> dict:
     code = ("import json; from xattn.bench import training_step_cost; "
@@ -29,8 +31,7 @@ def main():
     print(f"checkpointed / plain: time x{checkpointed['seconds_per_step'] / plain['seconds_per_step']:.2f}, "
           f"peak memory x{checkpointed['peak_rss_mb'] / plain['peak_rss_mb']:.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"plain": plain, "checkpointed": checkpointed}, f, indent=1)
+        save_json({"plain": plain, "checkpointed": checkpointed}, args.json)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from xattn.files import save_json
+
 
 def main():
     import datasets
@@ -45,8 +47,7 @@ def main():
     scores.update(images=n, equal_to_transformers=same / n)
     print(json.dumps(scores, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(scores, f, indent=1)
+        save_json(scores, args.json)
 
 
 def _strip(ids, pad):

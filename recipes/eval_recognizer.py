@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from xattn.files import save_json
+
 
 def main():
     from xattn.audio import input_features
@@ -51,8 +53,7 @@ def main():
     for truth, guess, voice, variant in errors[:20]:
         print(f"  {voice}+{variant}: {truth!r} -> {guess!r}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(scores, f, indent=1)
+        save_json(scores, args.json)
 
 
 if __name__ == "__main__":

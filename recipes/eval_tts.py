@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from xattn.files import save_json
+
 
 def main():
     from xattn.codes import SAMPLE_RATE
@@ -45,8 +47,7 @@ def main():
     scores.update(utterances=len(rows), audio_seconds=seconds, wall_seconds=time.perf_counter() - start)
     print(json.dumps(scores, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(scores, f, indent=1)
+        save_json(scores, args.json)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 
 from xattn.captioning import Captioner, weight_format_agreement
 from xattn.datasets.scenes import draw, scene_for
+from xattn.files import save_json
 
 FORMATS = ["packed", "bf16", "int8", "int8+int8"]  # "int8+int8": the encoder's linear layers in int8 too
 
@@ -30,8 +31,7 @@ def main():
         report[f"batch {batch_size}"] = weight_format_agreement(captioner, images, truths, FORMATS, batch_size)
     print(json.dumps(report, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        save_json(report, args.json)
 
 
 if __name__ == "__main__":

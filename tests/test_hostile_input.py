@@ -434,6 +434,13 @@ def test_bad_options_are_one_line_usage_errors(capsys, argv, option):
     _one_line(capsys.readouterr().err, f"argument {option}")
 
 
+@pytest.mark.parametrize("flag,target,message", [("--json", "missing/out.json", "does not exist"),
+                                                 ("--chart", "out.jpg", "ending in .png")])
+def test_bench_checks_its_outputs_before_measuring(tmp_path, capsys, flag, target, message):
+    assert main(["bench", "--quick", "--no-ctranslate2", flag, str(tmp_path / target)]) == 2
+    _one_line(capsys.readouterr().err, flag, message)
+
+
 def _absurd_header(path):
     with open(path, "r+b") as f:
         f.write(struct.pack("<Q", 2**62))

@@ -14,6 +14,12 @@ def _bench(args) -> int:
 
     from .bench import chart, compile_cache, end_to_end
     from .bench import decode as bench
+    from .files import check_output
+
+    if args.json:  # checked before a run of many minutes, not after it
+        check_output(args.json, "--json", (".json",))
+    if args.chart:
+        check_output(args.chart, "--chart", (".png",))
 
     rows = list(bench.ROWS)[:1] if args.quick else list(bench.ROWS)
     if args.rows:

@@ -61,3 +61,11 @@ def save_figure(fig, path: str, **savefig_kwargs) -> None:
     """matplotlib's savefig, atomically."""
     with replaced_atomically(path) as tmp:
         fig.savefig(tmp, **savefig_kwargs)
+
+
+def save_json(value, path: str) -> None:
+    """json.dump(value, indent=1), atomically."""
+    import json
+
+    with replaced_atomically(path) as tmp, open(tmp, "w") as f:
+        json.dump(value, f, indent=1)

@@ -11,6 +11,8 @@ def draw(decode: list, end_to_end: list | None, path: str, title: str = "") -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..files import save_figure
+
     rows = list(dict.fromkeys(m.row for m in decode))
     engines = [e for e in dict.fromkeys(m.engine for m in decode) if e != "floor probe"]
     value = {(m.row, m.engine): m.ms_per_step for m in decode if not m.error}
@@ -45,5 +47,5 @@ def draw(decode: list, end_to_end: list | None, path: str, title: str = "") -> N
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)

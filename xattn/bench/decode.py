@@ -9,7 +9,6 @@ transformers; bf16/int8 report the share of generated tokens equal to xattn fp32
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import tempfile
@@ -17,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ..files import save_json
 
 ROWS = {  # name -> (batch, num_beams)
     "B=1 greedy": (1, 1),
@@ -299,8 +300,7 @@ def save(results: list[Measurement], path: str, **extra) -> None:
         "results": [asdict(m) for m in results],
         **{name: _plain(value) for name, value in extra.items()},
     }
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    save_json(record, path)
 
 
 def _plain(value):
