@@ -1,34 +1,67 @@
-"""`xattn train` / recipes/finetune.py: fine-tune (or train from scratch) an image captioner or a speech
-recognizer on a data folder, through xattn.train (checkpoints, --resume, torchrun)."""
+"""`xattn train` / recipes/finetune.py: fine-tune (or train from scratch) an image captioner, a speech
+recognizer or a speaker on a data folder, through xattn.train (checkpoints, --resume, torchrun).
+
+Everything a user hands it is checked before any training: numeric options by their argparse types (built from
+TrainConfig.LIMITS), the data folders' metadata.jsonl (xattn.datasets.metadata: every file inside its folder),
+transcripts against the decoder's length, checkpoints through xattn.hf (never code shipped with them)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import shutil
 
 import numpy as np
 import torch
 
+NEW_MODELS = ("new-scene-captioner", "new-digit-recognizer", "new-speaker")
+
 
 def add_arguments(parser) -> None:
+    from .argtypes import THREADS, integer, number
     from .train import TrainConfig
 
     parser.add_argument("--data", required=True, help="directory with train/ and validation/ (imagefolders, or "
                         "audio files + metadata.jsonl)")
     parser.add_argument("--model", default="new-scene-captioner", help="checkpoint directory or hub id, or "
-                        "new-scene-captioner / new-digit-recognizer")
+                        "new-scene-captioner / new-digit-recognizer / new-speaker")
     parser.add_argument("--out", required=True, help="checkpoints, loss.png and final/ go here")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    parser.add_argument("--eval-limit", type=int, default=500, help="validation examples scored at each evaluation")
-    parser.add_argument("--patch-size", type=int, default=8, help="new-scene-captioner: ViT patch size")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    for field, default in TrainConfig.__dataclass_fields__.items():
-        if field != "output_dir":
-            kind = type(default.default)
-            flag = "--" + field.replace("_", "-")
-            if kind is bool:
-                parser.add_argument(flag, action="store_true")
-            else:
-                parser.add_argument(flag, type=kind, default=default.default)
+    parser.add_argument("--eval-limit", type=integer(1), default=500,
+                        help="validation examples scored at each evaluation")
+    parser.add_argument("--patch-size", type=_patch_size, default=8,
+                        help="new-scene-captioner: ViT patch size (divides the 64 px image)")
+    parser.add_argument("--threads", type=THREADS, default=None, help="torch threads (default: torch's choice)")
+    for field in dataclasses.fields(TrainConfig):
+        if field.name == "output_dir":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = type(field.default)
+        if kind is bool:
+            parser.add_argument(flag, action="store_true")
+        elif field.name in TrainConfig.LIMITS:
+            low, high, low_open = TrainConfig.LIMITS[field.name]
+            check = integer(low, high) if kind is int else number(low, high, low_open=low_open)
+            parser.add_argument(flag, type=check, default=field.default, help=f"default {field.default}")
+        elif field.name == "mixed_precision":
+            parser.add_argument(flag, choices=TrainConfig.MIXED_PRECISION, default=field.default)
+        else:
+            parser.add_argument(flag, type=kind, default=field.default)
+
+
+def _patch_size(text: str) -> int:
+    import argparse
+
+    from .argtypes import integer
+    from .datasets.scenes import IMAGE_SIZE
+
+    value = integer(1, IMAGE_SIZE)(text)
+    if IMAGE_SIZE % value:
+        divisors = [d for d in range(1, IMAGE_SIZE + 1) if IMAGE_SIZE % d == 0]
+        raise argparse.ArgumentTypeError(f"must divide the {IMAGE_SIZE} px image ({', '.join(map(str, divisors))}), "
+                                         f"got {text}")
+    return value
 
 
 def main(args) -> int:
@@ -36,34 +69,34 @@ def main(args) -> int:
 
     for split in ("train", "validation"):
         if not os.path.isdir(os.path.join(args.data, split)):
-            raise ValueError(f"{args.data}: no {split}/ folder (make one with recipes/make_scenes.py or "
-                             "recipes/make_digits.py)")
-    if args.model.startswith("new-") and args.model not in ("new-scene-captioner", "new-digit-recognizer",
-                                                            "new-speaker"):
+            raise ValueError(f"{args.data}: no {split}/ folder (make one with recipes/make_scenes.py, "
+                             "recipes/make_digits.py or recipes/make_tts_data.py)")
+    if args.model.startswith("new-") and args.model not in NEW_MODELS and not os.path.isdir(args.model):
         raise ValueError(f"unknown --model {args.model!r}: new-scene-captioner, new-digit-recognizer, new-speaker "
                          "or a checkpoint")
-    if args.model in ("new-scene-captioner", "new-digit-recognizer") and not os.path.isdir(
-            os.path.join(args.data, "tokenizer")):
+    if args.model in NEW_MODELS[:2] and not os.path.isdir(os.path.join(args.data, "tokenizer")):
         raise ValueError(f"{args.data}: no tokenizer/ folder for a new model")
-    if not args.model.startswith("new-") and (os.path.sep in args.model or args.model.startswith(".")) \
+    if args.model not in NEW_MODELS and (os.path.sep in args.model or args.model.startswith(".")) \
             and not os.path.isdir(args.model):
         raise ValueError(f"{args.model}: no such checkpoint directory")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out}: is a file; name a folder")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = TrainConfig(output_dir=args.out, **{f: getattr(args, f) for f in TrainConfig.__dataclass_fields__
-                                                 if f != "output_dir"})
+    config = TrainConfig(output_dir=args.out, **{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                                                 if f.name != "output_dir"})
     run(args, config)
     return 0
 
 
 def run(args, config):
-    from transformers import AutoConfig, AutoTokenizer
-
-    from .train import train
+    from .hf import load_config, load_tokenizer
+    from .train import seed_everything, train
+    from .train_checkpoints import replace_directory, writing
 
     kinds = {"new-scene-captioner": _images, "new-digit-recognizer": _speech, "new-speaker": _tts,
              "vision-encoder-decoder": _images, "speech-encoder-decoder": _speech, "encoder-decoder": _tts}
-    kind = args.model if args.model.startswith("new-") else AutoConfig.from_pretrained(args.model).model_type
+    kind = args.model if args.model in NEW_MODELS else load_config(args.model).model_type
     if kind not in kinds:
         raise ValueError(f"{args.model}: a {kind} checkpoint; train takes vision-, speech- or text-to-speech "
                          "encoder-decoder models")
@@ -72,58 +105,83 @@ def run(args, config):
         from .speak import text_tokenizer
 
         tokenizer = text_tokenizer(sorted(TTS_VOICES))
-        torch.manual_seed(config.seed)
-    elif args.model.startswith("new-"):
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.data, "tokenizer"))
-        torch.manual_seed(config.seed)
+    elif args.model in NEW_MODELS:
+        tokenizer = load_tokenizer(os.path.join(args.data, "tokenizer"))
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = load_tokenizer(args.model)
+    seed_everything(config.seed)  # a new model's initial weights
     model, preprocessor, train_set, collate, evaluate = kinds[kind](args, tokenizer)
     train(model, train_set, collate, config, evaluate=evaluate, resume=args.resume)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, process 0 saves
         return
     final = os.path.join(config.output_dir, "final")
-    model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
-    preprocessor.save_pretrained(final)
+    # complete under a temporary name, then renamed: a kill or a full disk never leaves a partial final/
+    with writing(final, "save the final model", "the last checkpoint is intact: free some space and rerun with "
+                 "--resume", cleanup=final + ".tmp"):
+        shutil.rmtree(final + ".tmp", ignore_errors=True)
+        model.save_pretrained(final + ".tmp")
+        tokenizer.save_pretrained(final + ".tmp")
+        preprocessor.save_pretrained(final + ".tmp")
+        replace_directory(final + ".tmp", final)
     print(f"saved {final}")
 
 
+class ImageRows:
+    """The rows of a checked imagefolder split as {"image": RGB image, "text"}, each image decoded when asked
+    for by xattn.vision.load_image (as the Captioner reads images: one-line errors naming the file)."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        from .vision import load_image
+
+        row = self.rows[index]
+        return {"image": load_image(row["path"]), "text": row["text"], "path": row["path"]}
+
+
 def _images(args, tokenizer):
-    import datasets
-    from transformers import AutoImageProcessor, VisionEncoderDecoderModel
+    from transformers import VisionEncoderDecoderModel
 
     from .captioning import CaptionBatches, caption_accuracy, new_scene_captioner
+    from .datasets.digits import read_split
+    from .hf import load_image_processor, load_model
     from .models import from_hf
 
-    data = datasets.load_dataset("imagefolder", data_dir=args.data)
+    train_rows = read_split(os.path.join(args.data, "train"))
+    validation = ImageRows(read_split(os.path.join(args.data, "validation")))
     if args.model == "new-scene-captioner":
         model, processor = new_scene_captioner(tokenizer, patch_size=args.patch_size)
     else:
-        processor = AutoImageProcessor.from_pretrained(args.model)
-        model = VisionEncoderDecoderModel.from_pretrained(args.model, use_safetensors=True)
+        processor = load_image_processor(args.model)
+        model = load_model(VisionEncoderDecoderModel, args.model)
+    _check_text_lengths(train_rows, tokenizer, model)
 
     def evaluate(m):
-        return caption_accuracy(from_hf(m), processor, tokenizer, data["validation"], limit=args.eval_limit)
+        return caption_accuracy(from_hf(m), processor, tokenizer, validation, limit=args.eval_limit)
 
-    return model, processor, data["train"], CaptionBatches(processor, tokenizer), evaluate
+    return model, processor, ImageRows(train_rows), CaptionBatches(processor, tokenizer), evaluate
 
 
 def _speech(args, tokenizer):
-    import datasets
-    from transformers import AutoFeatureExtractor, SpeechEncoderDecoderModel
+    from transformers import SpeechEncoderDecoderModel
 
     from .datasets.digits import read_split
+    from .hf import load_feature_extractor, load_model
     from .models import from_hf
     from .speech import SpeechBatches, new_digit_recognizer, transcription_accuracy
 
-    train_set = datasets.Dataset.from_list(read_split(os.path.join(args.data, "train")))
+    train_set = read_split(os.path.join(args.data, "train"))
     validation = read_split(os.path.join(args.data, "validation"))
     if args.model == "new-digit-recognizer":
         model, features = new_digit_recognizer(tokenizer)
     else:
-        features = AutoFeatureExtractor.from_pretrained(args.model)
-        model = SpeechEncoderDecoderModel.from_pretrained(args.model, use_safetensors=True)
+        features = load_feature_extractor(args.model)
+        model = load_model(SpeechEncoderDecoderModel, args.model)
+    _check_text_lengths(train_set, tokenizer, model)
 
     def evaluate(m):
         return transcription_accuracy(from_hf(m), features, tokenizer, validation, limit=args.eval_limit)
@@ -131,29 +189,74 @@ def _speech(args, tokenizer):
     return model, features, train_set, SpeechBatches(features, tokenizer), evaluate
 
 
+def _check_text_lengths(rows: list[dict], tokenizer, model) -> None:
+    """Every transcript (+ EOS) fits the decoder's positions; a longer one would fail mid-training."""
+    decoder = model.config.decoder
+    limit = getattr(decoder, "n_positions", None) or getattr(decoder, "max_position_embeddings", None)
+    if not limit:
+        return
+    ids = tokenizer([r["text"] + tokenizer.eos_token for r in rows])["input_ids"]
+    for row, tokens in zip(rows, ids):
+        if len(tokens) > limit:
+            raise ValueError(f"{row['path']}: its text in metadata.jsonl is {len(tokens)} tokens long; this model's "
+                             f"decoder holds at most {limit}: shorten it or leave the file out")
+
+
 def _tts(args, tokenizer):
-    import datasets
     from transformers import EncoderDecoderModel
 
-    from .codes import Codebook, log_mel
+    from .codes import HOP, SAMPLE_RATE, Codebook, log_mel
     from .datasets.digits import read_split, tts_voice_name
-    from .speak import CodeBatches, new_speaker
+    from .hf import load_model
+    from .speak import CodeBatches, check_text, new_speaker
+    from .train_checkpoints import replace_directory, writing
 
-    rows = read_split(os.path.join(args.data, "train"))
+    def fits(row):
+        tts_voice_name(row)
+        check_text(row["text"])
+        row["seconds"] = _audio_seconds(row["path"])
+
+    rows = read_split(os.path.join(args.data, "train"), check=fits)
     for row in rows:
         row["voice_name"] = tts_voice_name(row)
     if args.model == "new-speaker":
         saved = os.path.join(args.out, "codebook")
-        if os.path.isdir(saved):  # a resumed run keeps its codebook
+        if args.resume and os.path.isdir(saved):  # a resumed run keeps its codebook
             codebook = Codebook.from_pretrained(saved)
         else:
             from .audio import load_audio
 
             frames = np.concatenate([log_mel(load_audio(r["path"])) for r in rows[:1500]])
+            if len(frames) < 256:
+                raise ValueError(f"{os.path.join(args.data, 'train')}: {len(frames)} frames of audio, too few to "
+                                 "learn a codebook of 256 codes: give more training audio")
             codebook = Codebook.fit(frames, size=256, seed=args.seed)
-            codebook.save_pretrained(saved)
+            # written whole under a temporary name: a kill never leaves half a codebook for --resume
+            with writing(saved, "save the codebook", "free some space and rerun", cleanup=saved + ".tmp"):
+                shutil.rmtree(saved + ".tmp", ignore_errors=True)
+                codebook.save_pretrained(saved + ".tmp")
+                replace_directory(saved + ".tmp", saved)
         model = new_speaker(tokenizer, codebook.size)
     else:
         codebook = Codebook.from_pretrained(args.model)
-        model = EncoderDecoderModel.from_pretrained(args.model, use_safetensors=True)
-    return model, codebook, datasets.Dataset.from_list(rows), CodeBatches(tokenizer, codebook), None
+        model = load_model(EncoderDecoderModel, args.model)
+        if model.config.decoder.vocab_size != codebook.size + 3:
+            raise ValueError(f"{args.model}: its decoder has {model.config.decoder.vocab_size} codes, its codebook "
+                             f"{codebook.size} (+ start, stop, pad): not a speaker checkpoint")
+    # the decoder reads the start code and every audio frame's code (the labels: the codes, then stop)
+    positions = model.config.decoder.n_positions
+    for row in rows:
+        if 2 + math.ceil(row["seconds"] * SAMPLE_RATE) // HOP > positions:
+            raise ValueError(f"{row['path']}: {row['seconds']:.1f} s of audio, longer than the speaker's "
+                             f"{(positions - 2) * HOP / SAMPLE_RATE:.1f} s: leave it out of the training data")
+    return model, codebook, rows, CodeBatches(tokenizer, codebook), None
+
+
+def _audio_seconds(path: str) -> float:
+    import soundfile
+
+    try:
+        info = soundfile.info(path)
+    except Exception as error:  # soundfile raises LibsndfileError, RuntimeError... for unreadable files
+        raise ValueError(f"{path}: not a readable audio file ({type(error).__name__})") from None
+    return info.frames / info.samplerate if info.samplerate > 0 else 0.0

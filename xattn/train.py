@@ -1,25 +1,29 @@
 """Fine-tuning of transformers encoder-decoder models (VisionEncoderDecoder, SpeechEncoderDecoder).
 
-Deterministic and resumable: the data order is a function of (seed, epoch), checkpoints hold the weights
-(safetensors), optimizer, schedule and RNG state and are written atomically, so `resume=True` after a kill
-ends with the same weights as an uninterrupted run.
+Deterministic and resumable: the seed fixes every RNG (python's, numpy's, torch's) and the data order (a
+function of (seed, epoch)); checkpoints hold the weights (safetensors), optimizer, schedule and every RNG's
+state and are written atomically, so `resume=True` after a kill, even one during a checkpoint write, ends with
+the same weights as an uninterrupted run.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
+import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
+import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
 
-STATE_FILE = "trainer_state.pt"  # optimizer, step, RNG, history: tensors and plain data (weights_only load)
-WEIGHTS_FILE = "weights.safetensors"
-LATEST = "latest"  # a file naming the newest complete checkpoint directory
+from .train_checkpoints import error_line, latest_checkpoint, latest_words, load_checkpoint, save_checkpoint, writing
+
+__all__ = ["TrainConfig", "batch_indices", "enable_checkpointing", "latest_checkpoint", "learning_rate_at",
+           "plot_history", "seed_everything", "train"]
+
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes 64-bit seeds
 
 
 @dataclass
@@ -33,16 +37,41 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     eval_every: int = 250  # steps between evaluations (and loss-curve updates)
     save_every: int = 250  # steps between checkpoints
-    seed: int = 0
+    seed: int = 0  # seeds python's random, numpy, torch and the data order
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
     mixed_precision: str = "auto"  # "bf16", "no", or "auto" (bf16 where the CPU has native bf16)
     keep_checkpoints: int = 2
 
+    # the valid values of each numeric field as (lowest, highest, lowest excluded); `xattn train` builds its
+    # argparse types from these, so a bad option is a usage error before any work
+    LIMITS: ClassVar[dict[str, tuple]] = {
+        "max_steps": (1, None, False), "batch_size": (1, None, False), "learning_rate": (0, None, True),
+        "warmup_steps": (0, None, False), "weight_decay": (0, None, False), "max_grad_norm": (0, None, True),
+        "eval_every": (1, None, False), "save_every": (1, None, False), "seed": (0, SEED_MAX, False),
+        "keep_checkpoints": (1, None, False),
+    }
+    MIXED_PRECISION: ClassVar[tuple[str, ...]] = ("auto", "bf16", "no")
+
     def __post_init__(self):
-        if self.mixed_precision not in ("auto", "bf16", "no"):
+        if self.mixed_precision not in self.MIXED_PRECISION:
             raise ValueError(f"mixed_precision must be 'auto', 'bf16' or 'no', got {self.mixed_precision!r}")
-        if self.max_steps < 1 or self.batch_size < 1:
-            raise ValueError("max_steps and batch_size must be >= 1")
+        for name, (low, high, low_open) in self.LIMITS.items():
+            value = getattr(self, name)
+            kind = type(getattr(TrainConfig, name))
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be a whole number, got {value!r}")
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < low or \
+                    (low_open and value == low) or (high is not None and value > high):
+                bound = f"> {low}" if low_open else f">= {low}"
+                raise ValueError(f"{name} must be a finite number {bound}" + (f" and <= {high}" if high else "") +
+                                 f", got {value!r}")
+
+
+def seed_everything(seed: int) -> None:
+    """Python's random, numpy's global RNG (Wav2Vec2-BERT's time masking draws from it) and torch's."""
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])  # numpy seeds are 32-bit words
+    torch.manual_seed(seed)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -73,9 +102,11 @@ def batch_indices(step: int, dataset_size: int, batch_size: int, seed: int) -> t
     """The examples of a step: epoch e is a permutation drawn from (seed, e); batches never straddle epochs."""
     per_epoch = dataset_size // batch_size
     if per_epoch == 0:
-        raise ValueError(f"the dataset ({dataset_size} examples) is smaller than one batch ({batch_size})")
+        raise ValueError(f"the training set ({dataset_size} examples) is smaller than one batch ({batch_size}): "
+                         "lower --batch-size")
     epoch, offset = divmod(step, per_epoch)
-    order = torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    generator = torch.Generator().manual_seed((seed * 100_003 + epoch) % 2**64)  # any 63-bit seed fits
+    order = torch.randperm(dataset_size, generator=generator)
     return order[offset * batch_size : (offset + 1) * batch_size]
 
 
@@ -99,13 +130,17 @@ def train(
     Under torchrun (WORLD_SIZE > 1) it trains with DistributedDataParallel: every process takes its share of
     each global batch of `batch_size`, the loss is weighted so the gradients equal one process's on the whole
     batch, and process 0 alone evaluates and writes checkpoints.
+
+    Problems a user can fix (an unreadable checkpoint, a full disk, a diverging loss) are ValueErrors of one
+    line that name the file and say what to do; checkpoints written before stay intact for `resume=True`.
     """
     from tqdm import tqdm
 
     world = _distributed()
     rank = world.rank if world else 0
-    os.makedirs(config.output_dir, exist_ok=True)
-    torch.manual_seed(config.seed)
+    with writing(config.output_dir, "create the output folder", "choose another output folder"):
+        os.makedirs(config.output_dir, exist_ok=True)
+    seed_everything(config.seed)
     if config.gradient_checkpointing:
         enable_checkpointing(model)
     use_cache = getattr(model.config, "use_cache", None)
@@ -119,64 +154,99 @@ def train(
     history = {"step": [], "loss": [], "eval": []}
     step = 0
     if resume:
-        step, history = _load_checkpoint(model, optimizer, config.output_dir)
+        step, history = load_checkpoint(model, optimizer, config.output_dir)
     use_bf16 = config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and cpu_has_native_bf16())
     if world and config.batch_size % world.size:
         raise ValueError(f"batch_size {config.batch_size} is the global batch: make it a multiple of the "
                          f"{world.size} processes")
     # find_unused_parameters: encoders carry parts a captioner never uses (ViT's pooler)
     runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world else model
+    loss_png = os.path.join(config.output_dir, "loss.png")
 
     model.train()
-    bar = tqdm(total=config.max_steps, initial=step, desc="training", disable=not progress or rank != 0,
-               dynamic_ncols=True)
-    done_here = 0
-    while step < config.max_steps:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate_at(step, config)
-        indices = batch_indices(step, len(dataset), config.batch_size, config.seed)
-        if world:
-            indices = indices.chunk(world.size)[rank]
-        inputs = collate([dataset[int(i)] for i in indices])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-            loss = runner(**inputs).loss
-        optimizer.zero_grad(set_to_none=True)
-        if world:  # DDP averages gradients over processes: weight each share by its tokens in the whole batch
-            loss = _global_token_mean(loss, inputs["labels"], world.size)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        step += 1
-        done_here += 1
-        history["step"].append(step)
-        if world:  # log the whole batch's loss: the re-weighted shares sum to world size x the mean
-            loss = loss.detach().clone()
-            torch.distributed.all_reduce(loss)
-            loss /= world.size
-        history["loss"].append(loss.item())
-        bar.update(1)
-        bar.set_postfix(loss=f"{history['loss'][-1]:.4f}")
-        if evaluate is not None and rank == 0 and (step % config.eval_every == 0 or step == config.max_steps):
-            model.eval()
-            metrics = evaluate(model)
-            model.train()
-            history["eval"].append({"step": step, **metrics})
-            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            plot_history(history, os.path.join(config.output_dir, "loss.png"))
-        stopping = stop_after is not None and done_here >= stop_after
-        if step % config.save_every == 0 or step == config.max_steps or stopping:
-            if rank == 0:
-                _save_checkpoint(model, optimizer, step, history, config)
+    # closed (a newline) even when training stops with an error, so the message gets a line of its own
+    with tqdm(total=config.max_steps, initial=step, desc="training", disable=not progress or rank != 0,
+              dynamic_ncols=True) as bar:
+        done_here = 0
+        while step < config.max_steps:
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate_at(step, config)
+            indices = batch_indices(step, len(dataset), config.batch_size, config.seed)
             if world:
-                torch.distributed.barrier()  # nobody runs ahead of (or resumes from) a half-written checkpoint
-        if stopping:
-            break
-    bar.close()
+                indices = indices.chunk(world.size)[rank]
+            examples = [dataset[int(i)] for i in indices]
+            try:
+                inputs = collate(examples)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+                    loss = runner(**inputs).loss
+            except (ValueError, RuntimeError, IndexError) as error:
+                named = _batch_error(error, examples, step, lambda e: model(**collate([e])))
+                if named is None:
+                    raise
+                raise named from error
+            if world:  # DDP averages gradients over processes: weight each share by its tokens in the whole batch
+                loss = _global_token_mean(loss, inputs["labels"], world.size)
+            logged = _whole_batch_loss(loss, world)
+            if not math.isfinite(logged):  # checked before the update, so the weights stay usable
+                raise ValueError(f"the training loss is {logged} at step {step + 1}: lower --learning-rate or "
+                                 f"--max-grad-norm (or use --mixed-precision no); {latest_words(config.output_dir)}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            step += 1
+            done_here += 1
+            history["step"].append(step)
+            history["loss"].append(logged)
+            bar.update(1)
+            bar.set_postfix(loss=f"{logged:.4f}")
+            if evaluate is not None and rank == 0 and (step % config.eval_every == 0 or step == config.max_steps):
+                model.eval()
+                metrics = evaluate(model)
+                model.train()
+                history["eval"].append({"step": step, **metrics})
+                bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                _plot(history, loss_png, config.output_dir)
+            stopping = stop_after is not None and done_here >= stop_after
+            if step % config.save_every == 0 or step == config.max_steps or stopping:
+                if rank == 0:
+                    save_checkpoint(model, optimizer, step, history, config)
+                if world:
+                    torch.distributed.barrier()  # nobody runs ahead of (or resumes from) a half-written checkpoint
+            if stopping:
+                break
     model.eval()
     model.config.use_cache = use_cache
     if rank == 0:
-        plot_history(history, os.path.join(config.output_dir, "loss.png"))
+        _plot(history, loss_png, config.output_dir)
     return history
+
+
+def _batch_error(error: Exception, examples: list, step: int, alone: Callable[[dict], object]) -> ValueError | None:
+    """A batch the model cannot take (audio too short for the encoder, say) as one line naming the file: the
+    examples are tried one by one, alone(example), to find the one that fails. None: nothing to add."""
+    paths = [e["path"] for e in examples if isinstance(e, dict) and isinstance(e.get("path"), str)]
+    reason = error_line(error)
+    if len(paths) != len(examples) or any(str(error).startswith(p) for p in paths):  # nothing to name, or named
+        return None
+    for example in examples:
+        try:
+            with torch.no_grad():
+                alone(example)
+        except (ValueError, RuntimeError, IndexError) as failure:
+            return ValueError(f"{example['path']}: the model cannot train on it ({error_line(failure)}); is it "
+                              "too short, too long or damaged? Leave it out of the training data")
+    named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return ValueError(f"step {step + 1}: the model cannot train on the batch of {named} ({reason})")
+
+
+def _whole_batch_loss(loss: torch.Tensor, world) -> float:
+    """The loss of the whole batch: under DDP the re-weighted shares of all processes sum to world size x it."""
+    if not world:
+        return loss.item()
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    return total.item() / world.size
 
 
 # ---- several processes (torchrun) -------------------------------------------------------------------------
@@ -208,55 +278,10 @@ def _global_token_mean(local_mean: torch.Tensor, labels: torch.Tensor, world_siz
     return local_mean * (local_tokens * world_size / total).to(local_mean.dtype)
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------------
-def _save_checkpoint(model, optimizer, step: int, history: dict, config: TrainConfig) -> None:
-    """Write checkpoint-{step} completely under a temporary name, then point `latest` at it atomically."""
-    name = f"checkpoint-{step}"
-    final = os.path.join(config.output_dir, name)
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    # the in-memory parameter names, exactly (save_pretrained may rename keys for older layouts)
-    save_model(model, os.path.join(tmp, WEIGHTS_FILE))
-    torch.save(
-        {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(), "history": history},
-        os.path.join(tmp, STATE_FILE),
-    )
-    with open(os.path.join(tmp, "train_config.json"), "w") as f:
-        json.dump(asdict(config), f, indent=1)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    pointer = os.path.join(config.output_dir, LATEST)
-    with open(pointer + ".tmp", "w") as f:
-        f.write(name)
-    os.replace(pointer + ".tmp", pointer)
-    checkpoints = sorted(
-        (d for d in os.listdir(config.output_dir) if d.startswith("checkpoint-") and not d.endswith(".tmp")),
-        key=lambda d: int(d.split("-")[1]),
-    )
-    for old in checkpoints[: -config.keep_checkpoints]:
-        shutil.rmtree(os.path.join(config.output_dir, old), ignore_errors=True)
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    pointer = os.path.join(output_dir, LATEST)
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as f:
-        return os.path.join(output_dir, f.read().strip())
-
-
-def _load_checkpoint(model, optimizer, output_dir: str) -> tuple[int, dict]:
-    path = latest_checkpoint(output_dir)
-    if path is None:
-        return 0, {"step": [], "loss": [], "eval": []}
-    missing, unexpected = load_model(model, os.path.join(path, WEIGHTS_FILE), strict=False)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-    state = torch.load(os.path.join(path, STATE_FILE), weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-    return state["step"], state["history"]
+def _plot(history: dict, path: str, output_dir: str) -> None:
+    with writing(path, "draw the loss curve", f"{latest_words(output_dir)}: free some space and rerun with "
+                 "--resume"):
+        plot_history(history, path)
 
 
 # ---- pictures -------------------------------------------------------------------------------------------
@@ -266,6 +291,8 @@ def plot_history(history: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from .files import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps, losses = history["step"], history["loss"]
@@ -287,7 +314,7 @@ def plot_history(history: dict, path: str) -> None:
         other.legend(loc="center right")
     ax.legend(loc="upper right")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        save_figure(fig, path, dpi=100)
+    finally:
+        plt.close(fig)

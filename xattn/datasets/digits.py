@@ -63,8 +63,12 @@ def tts_utterance_for(seed: int, index: int) -> Utterance:
 
 
 def tts_voice_name(row: dict) -> str:
-    """The TTS voice name of a metadata row (or asdict(Utterance)) spoken in a TTS voice."""
-    return next(n for n, (v, var, _, _) in TTS_VOICES.items() if (v, var) == (row["voice"], row["variant"]))
+    """The TTS voice name of a metadata row (or asdict(Utterance)) spoken in a TTS voice; ValueError otherwise."""
+    for name, (voice, variant, _, _) in TTS_VOICES.items():
+        if (voice, variant) == (row.get("voice"), row.get("variant")):
+            return name
+    known = ", ".join(f"{v}+{var}" for v, var, _, _ in TTS_VOICES.values())
+    raise ValueError(f"voice {row.get('voice')!r} variant {row.get('variant')!r} is not a TTS voice ({known})")
 
 
 def espeak() -> str:
@@ -101,10 +105,9 @@ def write_split(directory: str, count: int, utterance: Callable[[int], Utterance
             f.flush()
 
 
-def read_split(directory: str) -> list[dict]:
-    """The rows of metadata.jsonl, each with an absolute `path` to its audio file."""
-    with open(os.path.join(directory, "metadata.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    for row in rows:
-        row["path"] = os.path.join(directory, row["file_name"])
-    return rows
+def read_split(directory: str, check: Callable[[dict], None] | None = None) -> list[dict]:
+    """The rows of metadata.jsonl (file_name and text), each with the absolute `path` of its file; a file_name
+    leading outside `directory` or a malformed line is a ValueError naming metadata.jsonl and the line."""
+    from .metadata import read_metadata
+
+    return read_metadata(directory, required=("file_name", "text"), check=check)
