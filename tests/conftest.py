@@ -67,6 +67,26 @@ def tiny_recognizer(seed: int = 0) -> SpeechEncoderDecoderModel:
     return SpeechEncoderDecoderModel(config).eval()
 
 
+def save_task_models(root) -> dict:
+    """The scene captioner's and the digit recognizer's architectures (random weights, 4 new tokens) saved as the
+    shipped checkpoints are, with tokenizer and preprocessor: {"captioner": path, "recognizer": path}."""
+    from xattn.captioning import new_scene_captioner
+    from xattn.datasets.tokenizer import train_caption_tokenizer
+    from xattn.speech import new_digit_recognizer
+
+    tokenizer = train_caption_tokenizer(["a small red circle above a large blue square"] * 5, vocab_size=300)
+    torch.manual_seed(0)
+    paths = {}
+    for name, (model, preprocessor) in [("captioner", new_scene_captioner(tokenizer)),
+                                        ("recognizer", new_digit_recognizer(tokenizer))]:
+        model.generation_config.max_new_tokens = 4
+        paths[name] = str(root / name)
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+        preprocessor.save_pretrained(paths[name])
+    return paths
+
+
 def tiny_gpt2(seed: int = 0, **overrides) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     return GPT2LMHeadModel(gpt2_config(**overrides)).eval()

@@ -11,12 +11,10 @@ import zlib
 import numpy as np
 import pytest
 import soundfile
-import torch
 from PIL import Image
 
-from conftest import gpt2_config
+from conftest import gpt2_config, save_task_models
 from xattn.cli import main
-from xattn.datasets.tokenizer import train_caption_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,26 +22,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny captioner and a tiny recognizer saved with tokenizer and preprocessor, and broken checkpoints."""
-    from transformers import GPT2LMHeadModel
-
-    from xattn.captioning import new_scene_captioner
-    from xattn.speech import new_digit_recognizer
+    from transformers import GPT2LMHeadModel, VisionEncoderDecoderConfig
 
     root = tmp_path_factory.mktemp("models")
-    tokenizer = train_caption_tokenizer(["a small red circle above a large blue square"] * 5, vocab_size=300)
-    torch.manual_seed(0)
-    captioner, processor = new_scene_captioner(tokenizer)
-    captioner.generation_config.max_new_tokens = 4
-    recognizer, features = new_digit_recognizer(tokenizer)
-    recognizer.generation_config.max_new_tokens = 4
-    paths = {}
-    for name, model, pre in [("captioner", captioner, processor), ("recognizer", recognizer, features)]:
-        paths[name] = str(root / name)
-        model.save_pretrained(paths[name])
-        tokenizer.save_pretrained(paths[name])
-        pre.save_pretrained(paths[name])
+    paths = save_task_models(root)
     paths["incomplete"] = str(root / "incomplete")  # config, no weights
-    captioner.config.save_pretrained(paths["incomplete"])
+    VisionEncoderDecoderConfig.from_pretrained(paths["captioner"]).save_pretrained(paths["incomplete"])
     paths["no-cross"] = str(root / "no-cross")  # a plain GPT-2: nothing to cross-attend with
     GPT2LMHeadModel(gpt2_config(add_cross_attention=False)).save_pretrained(paths["no-cross"])
     return paths

@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 import xattn
+from conftest import save_task_models
 from xattn.cli import main
-from xattn.datasets.tokenizer import train_caption_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAYLOAD = """import pathlib
@@ -35,24 +35,11 @@ class PayloadConfig(PretrainedConfig):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Tiny captioner, recognizer and speaker checkpoints (random weights), saved as the real ones are."""
-    from xattn.captioning import new_scene_captioner
     from xattn.codes import CHUNK, N_MELS, Codebook
     from xattn.speak import new_speaker, text_tokenizer
-    from xattn.speech import new_digit_recognizer
 
     root = tmp_path_factory.mktemp("models")
-    tokenizer = train_caption_tokenizer(["a small red circle above a large blue square"] * 5, vocab_size=300)
-    torch.manual_seed(0)
-    captioner, processor = new_scene_captioner(tokenizer)
-    captioner.generation_config.max_new_tokens = 4
-    recognizer, features = new_digit_recognizer(tokenizer)
-    recognizer.generation_config.max_new_tokens = 4
-    paths = {}
-    for name, model, pre in [("captioner", captioner, processor), ("recognizer", recognizer, features)]:
-        paths[name] = str(root / name)
-        model.save_pretrained(paths[name])
-        tokenizer.save_pretrained(paths[name])
-        pre.save_pretrained(paths[name])
+    paths = save_task_models(root)
     speaker_tokenizer = text_tokenizer(["one", "two"])
     codebook = Codebook(np.random.default_rng(1).normal(-4, 2, size=(16, N_MELS)).astype(np.float32))
     speaker = new_speaker(speaker_tokenizer, codebook.size, max_codes=CHUNK + 10)
