@@ -17,8 +17,8 @@ from xattn.files import save_json
 def main():
     import datasets
 
-    from xattn.captioning import Captioner, caption_accuracy
-    from xattn.vision import pixel_values
+    from xattn.tasks.captioning import Captioner, caption_accuracy
+    from xattn.tasks.vision import pixel_values
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="an imagefolder (file_name + text)")

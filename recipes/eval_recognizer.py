@@ -15,9 +15,9 @@ from xattn.files import save_json
 
 
 def main():
-    from xattn.audio import input_features
     from xattn.datasets.digits import read_split
-    from xattn.speech import Transcriber, transcription_scores
+    from xattn.tasks.audio import input_features
+    from xattn.tasks.transcription import Transcriber, transcription_scores
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="a folder of audio files + metadata.jsonl (file_name, text)")

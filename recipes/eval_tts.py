@@ -17,10 +17,10 @@ from xattn.files import save_json
 
 
 def main():
-    from xattn.codes import SAMPLE_RATE
     from xattn.datasets.digits import DIGITS, read_split, tts_voice_name
-    from xattn.speak import Speaker
-    from xattn.speech import Transcriber, transcription_scores
+    from xattn.tasks.audio_codes import SAMPLE_RATE
+    from xattn.tasks.speech_synthesis import Speaker
+    from xattn.tasks.transcription import Transcriber, transcription_scores
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="a TTS split: its digit-string texts are spoken")

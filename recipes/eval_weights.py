@@ -9,9 +9,9 @@ fp32 and fbgemm's int8 products) and one image at a time (the fused step with xa
 import argparse
 import json
 
-from xattn.captioning import Captioner, weight_format_agreement
 from xattn.datasets.scenes import draw, scene_for
 from xattn.files import save_json
+from xattn.tasks.captioning import Captioner, weight_format_agreement
 
 FORMATS = ["packed", "bf16", "int8", "int8+int8"]  # "int8+int8": the encoder's linear layers in int8 too
 

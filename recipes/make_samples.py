@@ -41,8 +41,8 @@ def write_speech(out: str) -> None:
     import numpy as np
     import soundfile
 
-    from xattn.audio import load_audio
     from xattn.datasets.digits import HELD_OUT_VARIANTS, synthesize, utterance_for
+    from xattn.tasks.audio import load_audio
 
     with open(os.path.join(out, "transcripts.jsonl"), "w") as f, tempfile.TemporaryDirectory() as tmp:
         for i, (rate, channels, name) in enumerate(SPEECH_FORMATS):

@@ -70,9 +70,9 @@ def tiny_recognizer(seed: int = 0) -> SpeechEncoderDecoderModel:
 def save_task_models(root) -> dict:
     """The scene captioner's and the digit recognizer's architectures (random weights, 4 new tokens) saved as the
     shipped checkpoints are, with tokenizer and preprocessor: {"captioner": path, "recognizer": path}."""
-    from xattn.captioning import new_scene_captioner
     from xattn.datasets.tokenizer import train_caption_tokenizer
-    from xattn.speech import new_digit_recognizer
+    from xattn.tasks.captioning import new_scene_captioner
+    from xattn.tasks.transcription import new_digit_recognizer
 
     tokenizer = train_caption_tokenizer(["a small red circle above a large blue square"] * 5, vocab_size=300)
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def pytest_configure(config):
 
 def pytest_runtest_setup(item):
     if item.get_closest_marker("kernels") is not None:
-        from xattn import kernels
+        from xattn.fast import kernels
 
         if not kernels.available():
             pytest.skip("needs xattn's kernels (g++, x86-64 with AVX2 + FMA, XATTN_NO_KERNELS unset); a failed "

@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from xattn.captioning import Captioner, new_scene_captioner
 from xattn.cli import main
 from xattn.datasets.scenes import IMAGE_SIZE, draw, scene_for, vocabulary
 from xattn.datasets.tokenizer import train_caption_tokenizer
+from xattn.tasks.captioning import Captioner, new_scene_captioner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,7 @@ import sys
 import torch
 from test_train import RandomCaptions, collate
 
-from xattn.train import TrainConfig, train
+from xattn.train.loop import TrainConfig, train
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # dropout masks differ between processes
 KWARGS = dict(max_steps=5, batch_size=8, learning_rate=3e-3, warmup_steps=2, save_every=2, eval_every=100, seed=3,
@@ -20,7 +20,7 @@ sys.path.insert(0, {tests!r})
 from conftest import tiny_captioner
 from test_distributed import NO_DROPOUT, ragged
 from test_train import collate
-from xattn.train import TrainConfig, train
+from xattn.train.loop import TrainConfig, train
 
 train(tiny_captioner(seed=70, **NO_DROPOUT), ragged(), collate, TrainConfig(output_dir={out!r}, **{kwargs!r}),
       progress=False)

@@ -7,9 +7,9 @@ import torch
 
 import xattn
 from conftest import count_calls, tiny_captioner, tiny_gpt2
-from xattn import kernels
 from xattn.decoder import GPT2CrossAttentionDecoder
-from xattn.fused import MAX_ROWS
+from xattn.fast import kernels
+from xattn.fast.fused import MAX_ROWS
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 

@@ -13,8 +13,8 @@ from PIL import Image
 
 import xattn
 from conftest import tiny_captioner
-from xattn.audio import load_audio, to_mono
-from xattn.vision import load_image
+from xattn.tasks.audio import load_audio, to_mono
+from xattn.tasks.vision import load_image
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

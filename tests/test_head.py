@@ -8,10 +8,10 @@ from torch import nn
 
 import xattn
 from conftest import count_calls, tiny_captioner
-from xattn import head as greedy_head
-from xattn import kernels
-from xattn.head import GreedyHead
-from xattn.weights import PackedLinear
+from xattn.fast import greedy_head as greedy_head
+from xattn.fast import kernels
+from xattn.fast.greedy_head import GreedyHead
+from xattn.fast.weights import PackedLinear
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 

@@ -35,8 +35,8 @@ class PayloadConfig(PretrainedConfig):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Tiny captioner, recognizer and speaker checkpoints (random weights), saved as the real ones are."""
-    from xattn.codes import CHUNK, N_MELS, Codebook
-    from xattn.speak import new_speaker, text_tokenizer
+    from xattn.tasks.audio_codes import CHUNK, N_MELS, Codebook
+    from xattn.tasks.speech_synthesis import new_speaker, text_tokenizer
 
     root = tmp_path_factory.mktemp("models")
     paths = save_task_models(root)
@@ -340,7 +340,7 @@ def test_a_resumed_job_with_earlier_errors_exits_1(models, tmp_path, capsys, ima
 def test_exif_orientation_is_applied_as_transformers_does(tmp_path):
     from transformers.image_utils import load_image as hf_load_image
 
-    from xattn.vision import load_image
+    from xattn.tasks.vision import load_image
 
     pixels = np.zeros((40, 80, 3), np.uint8)
     pixels[:, :40] = (255, 0, 0)  # left half red, right half blue
@@ -356,7 +356,7 @@ def test_exif_orientation_is_applied_as_transformers_does(tmp_path):
 
 
 def test_a_batch_holds_preprocessed_images_not_decoded_ones(models, tmp_path):
-    from xattn.captioning import Captioner
+    from xattn.tasks.captioning import Captioner
 
     path = str(tmp_path / "large.png")
     Image.new("RGB", (3000, 2000), (10, 200, 10)).save(path)

@@ -5,8 +5,8 @@ read or write past a buffer, divide by zero, or quietly compute with the wrong s
 import pytest
 import torch
 
-from xattn import kernels
-from xattn.weights import prepack_int8
+from xattn.fast import kernels
+from xattn.fast.weights import prepack_int8
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 
@@ -204,8 +204,8 @@ def test_products_refuse(int8, change, message):
 
 def head_args():
     """xattn.head.GreedyHead's arguments for a vocabulary of 40 and width 32, two rows."""
-    from xattn.head import GreedyHead
-    from xattn.weights import PackedLinear
+    from xattn.fast.greedy_head import GreedyHead
+    from xattn.fast.weights import PackedLinear
 
     head = GreedyHead(PackedLinear(_randn(40, 32), _randn(40)))
     return dict(x=_randn(2, 32), weight_panels=head.panels, bias=head.bias, screen=head.screen, scale=head.scales,

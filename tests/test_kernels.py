@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from xattn import kernels
+from xattn.fast import kernels
 
 
 def _can_build() -> bool:
@@ -74,7 +74,7 @@ def test_without_the_kernel_the_formats_fall_back_and_give_the_same_tokens(tmp_p
 import torch, sys, xattn
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from conftest import tiny_captioner
-from xattn import kernels
+from xattn.fast import kernels
 model = tiny_captioner(seed=51)
 pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(6))
 out = xattn.from_hf(model, weights="packed").generate(pixel_values=pixels, max_new_tokens=8, min_new_tokens=8)

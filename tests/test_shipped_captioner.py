@@ -8,9 +8,9 @@ import sys
 
 from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
 
-from xattn.captioning import DEFAULT_MODEL, Captioner
 from xattn.datasets.scenes import draw, scene_for
-from xattn.vision import load_image
+from xattn.tasks.captioning import DEFAULT_MODEL, Captioner
+from xattn.tasks.vision import load_image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(REPO, "data", "samples")

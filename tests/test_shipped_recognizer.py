@@ -10,9 +10,9 @@ import soundfile
 import torch
 from transformers import AutoFeatureExtractor, AutoTokenizer, SpeechEncoderDecoderModel
 
-from xattn.audio import input_features
 from xattn.cli import main
-from xattn.speech import DEFAULT_MODEL, Transcriber
+from xattn.tasks.audio import input_features
+from xattn.tasks.transcription import DEFAULT_MODEL, Transcriber
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(REPO, "data", "samples")

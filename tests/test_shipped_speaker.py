@@ -9,9 +9,9 @@ import numpy as np
 import soundfile
 import torch
 
-from xattn.audio import load_audio
-from xattn.speak import Speaker
-from xattn.speech import Transcriber
+from xattn.tasks.audio import load_audio
+from xattn.tasks.speech_synthesis import Speaker
+from xattn.tasks.transcription import Transcriber
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,6 @@ import pytest
 import soundfile
 import torch
 
-from xattn.audio import input_features, load_audio
 from xattn.cli import main
 from xattn.datasets.digits import (
     DIGITS,
@@ -20,7 +19,14 @@ from xattn.datasets.digits import (
     write_split,
 )
 from xattn.datasets.tokenizer import train_caption_tokenizer
-from xattn.speech import SpeechBatches, Transcriber, new_digit_recognizer, transcription_scores, word_errors
+from xattn.tasks.audio import input_features, load_audio
+from xattn.tasks.transcription import (
+    SpeechBatches,
+    Transcriber,
+    new_digit_recognizer,
+    transcription_scores,
+    word_errors,
+)
 
 
 def dominant_frequency(samples: np.ndarray, rate: int) -> float:

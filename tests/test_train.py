@@ -3,7 +3,7 @@
 import torch
 
 from conftest import tiny_captioner
-from xattn.train import TrainConfig, batch_indices, enable_checkpointing, latest_checkpoint, train
+from xattn.train.loop import TrainConfig, batch_indices, enable_checkpointing, latest_checkpoint, train
 
 
 class RandomCaptions:
@@ -93,7 +93,7 @@ _KILLABLE_RUN = """
 import sys, time, torch
 sys.path.insert(0, {tests!r})
 from test_train import RandomCaptions, collate, _dropout_model
-from xattn.train import TrainConfig, train
+from xattn.train.loop import TrainConfig, train
 
 def slow_collate(rows):  # slow enough that the kill lands between checkpoints
     time.sleep(0.3)

@@ -116,7 +116,8 @@ import json, os, signal, sys, traceback
 import numpy as np
 import sklearn.cluster
 from transformers import EncoderDecoderModel, SpeechEncoderDecoderModel, VisionEncoderDecoderModel
-import xattn.captioning, xattn.cli, xattn.codes, xattn.finetune, xattn.speak, xattn.speech, xattn.train_checkpoints
+import xattn.cli, xattn.tasks.audio_codes, xattn.tasks.captioning, xattn.tasks.speech_synthesis
+import xattn.tasks.transcription, xattn.train.checkpoints, xattn.train.command
 
 
 def die():
@@ -124,22 +125,22 @@ def die():
 
 
 def after_weights(n):  # inside the n-th checkpoint write: checkpoint-N.tmp holds the weights, nothing else
-    real, calls = xattn.train_checkpoints.save_model, []
+    real, calls = xattn.train.checkpoints.save_model, []
     def save_model(*args, **kwargs):
         real(*args, **kwargs)
         calls.append(1)
         if len(calls) == n:
             die()
-    xattn.train_checkpoints.save_model = save_model
+    xattn.train.checkpoints.save_model = save_model
 
 
 def after_renaming(name):  # checkpoint-N is complete under its name; `latest` still names the one before
-    real = xattn.train_checkpoints.replace_directory
+    real = xattn.train.checkpoints.replace_directory
     def replace_directory(tmp, final):
         real(tmp, final)
         if os.path.basename(final) == name:
             die()
-    xattn.train_checkpoints.replace_directory = replace_directory
+    xattn.train.checkpoints.replace_directory = replace_directory
 
 
 def before_pointer(name):  # the new `latest` is written beside the old one, not yet renamed over it
@@ -383,12 +384,12 @@ def test_a_full_disk_is_one_line_and_resumable(after_step, data, reference, smal
     checkpoint) fails; the message names it, the earlier checkpoint is intact and --resume finishes the run."""
     import errno
 
-    import xattn.train
-    import xattn.train_checkpoints
+    import xattn.train.checkpoints
+    import xattn.train.loop
 
     out = (small_disk or tmp_path) / "out"
     filler = (small_disk or tmp_path) / "filler"
-    real_save = xattn.train.save_checkpoint
+    real_save = xattn.train.loop.save_checkpoint
 
     def fill():
         if small_disk is None:  # the simulated disk is full while the filler exists
@@ -411,10 +412,10 @@ def test_a_full_disk_is_one_line_and_resumable(after_step, data, reference, smal
             return real(*args, **kwargs)
         return write
 
-    monkeypatch.setattr(xattn.train, "save_checkpoint", save_then_fill)
+    monkeypatch.setattr(xattn.train.loop, "save_checkpoint", save_then_fill)
     if small_disk is None:  # no tmpfs: the weights and the loss curve fail as on a full disk
-        monkeypatch.setattr(xattn.train_checkpoints, "save_model", full_when_filled(xattn.train_checkpoints.save_model))
-        monkeypatch.setattr(xattn.train, "plot_history", full_when_filled(xattn.train.plot_history))
+        monkeypatch.setattr(xattn.train.checkpoints, "save_model", full_when_filled(xattn.train.checkpoints.save_model))
+        monkeypatch.setattr(xattn.train.loop, "plot_history", full_when_filled(xattn.train.loop.plot_history))
 
     assert main(train_argv(data, "captioner", out)) == 2
     message = one_line_error(capsys)

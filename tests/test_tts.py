@@ -7,8 +7,8 @@ import soundfile
 import torch
 
 from xattn.cli import main
-from xattn.codes import CHUNK, HOP, N_MELS, SAMPLE_RATE, Codebook, log_mel
-from xattn.speak import Speaker, check_text, new_speaker, text_tokenizer
+from xattn.tasks.audio_codes import CHUNK, HOP, N_MELS, SAMPLE_RATE, Codebook, log_mel
+from xattn.tasks.speech_synthesis import Speaker, check_text, new_speaker, text_tokenizer
 
 
 def test_text_is_normalised_or_refused_with_a_reason():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2Model
 
-from xattn.tts import PrefixConditionedGPT2
+from xattn.tasks.tts_adapter import PrefixConditionedGPT2
 
 D, AUDIO_VOCAB, START = 32, 40, 38
 

@@ -8,7 +8,7 @@ import torch
 
 import xattn
 from conftest import tiny_captioner
-from xattn.weights import KINDS, ConvertedLinear, convert_linears
+from xattn.fast.weights import KINDS, ConvertedLinear, convert_linears
 
 
 def _logits(engine, states, ids):
@@ -90,7 +90,7 @@ def test_exact_weights_are_the_models_own_tensors_not_copies():
 
 
 def test_copies_are_released_with_their_decoder():
-    from xattn.weights import _Copy
+    from xattn.fast.weights import _Copy
 
     engine = xattn.from_hf(tiny_captioner(seed=46), weights="int8")
     handles = [p.handle for block in engine.decoder.projections for p in block.values()]
@@ -109,8 +109,8 @@ def test_an_unknown_format_is_refused_with_the_choices():
 def test_shipped_captioner_int8_and_bf16_captions_equal_fp32_on_held_out_scenes():
     """The performance issue's bar: >= 98% of held-out captions identical to fp32's (1000 scenes measured
     by recipes/eval_weights.py; 300 here)."""
-    from xattn.captioning import Captioner, weight_format_agreement
     from xattn.datasets.scenes import draw, scene_for
+    from xattn.tasks.captioning import Captioner, weight_format_agreement
 
     scenes = [scene_for(3, i) for i in range(300)]
     report = weight_format_agreement(Captioner(), [draw(s) for s in scenes], [s.caption for s in scenes],

@@ -4,7 +4,7 @@ cross-attend to an encoder (image captioning, speech transcription, Tortoise-sty
 from .cache import CrossAttentionCache
 from .decoder import GPT2CrossAttentionDecoder
 from .generate import GenerationOptions
-from .models import XattnModel, from_hf, load
+from .hf import XattnModel, from_hf, load
 
 __version__ = "0.1.0"
 __all__ = ["CrossAttentionCache", "GPT2CrossAttentionDecoder", "GenerationOptions", "XattnModel", "from_hf", "load"]

@@ -82,9 +82,9 @@ def _add_generation_flags(parser) -> None:
 def _caption(args) -> int:
     import torch
 
-    from .captioning import Captioner, image_files
     from .files import check_output
-    from .vision import load_image
+    from .tasks.captioning import Captioner, image_files
+    from .tasks.vision import load_image
 
     if args.attention_map:
         if len(args.images) != 1 or os.path.isdir(args.images[0]):
@@ -109,7 +109,7 @@ def _caption(args) -> int:
 def _transcribe(args) -> int:
     import torch
 
-    from .speech import Transcriber, audio_files
+    from .tasks.transcription import Transcriber, audio_files
 
     files, output = _claim_job(args, audio_files(args.audio))
     try:
@@ -130,9 +130,9 @@ def _speak(args) -> int:
     import soundfile
     import torch
 
-    from .codes import SAMPLE_RATE
     from .files import cannot_write, check_output, replaced_atomically
-    from .speak import Speaker, check_text
+    from .tasks.audio_codes import SAMPLE_RATE
+    from .tasks.speech_synthesis import Speaker, check_text
 
     check_text(args.text)
     check_output(args.output, "-o", (".wav", ".flac", ".aiff", ".aif"))
@@ -165,7 +165,7 @@ def _speak(args) -> int:
     seconds = len(audio) / SAMPLE_RATE
     print(f"wrote {args.output}: {seconds:.2f} s of audio in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     if args.spectrogram:
-        from .codes import draw_spectrogram, log_mel
+        from .tasks.audio_codes import draw_spectrogram, log_mel
 
         draw_spectrogram(log_mel(audio), args.spectrogram, title=f"{args.voice or speaker.voices[0]}: {args.text}")
         print(f"wrote {args.spectrogram}", file=sys.stderr)
@@ -241,7 +241,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .weights import KINDS
+    from .fast.weights import KINDS
 
     parser = _Parser(prog="xattn", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     speak.set_defaults(run=_speak)
 
     train = commands.add_parser("train", help="fine-tune or train a captioner or recognizer (= recipes/finetune.py)")
-    from . import finetune
+    from .train import command as finetune
 
     finetune.add_arguments(train)
     train.set_defaults(run=finetune.main)

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import weights as weight_formats
 from .cache import CrossAttentionCache
-from .fused import FusedLayers
-from .head import GreedyHead
+from .fast import weights as weight_formats
+from .fast.fused import FusedLayers
+from .fast.greedy_head import GreedyHead
 
 _CROSS_BLOCK_FLOATS = 1 << 20  # cross K/V projected per block of at most this many outputs (4 MB), at least one row
 

@@ -231,7 +231,7 @@ def _stream_ms(decoder, rows: int, repeats: int, packed: bool) -> float:
     x_head = torch.randn(rows, head.shape[1])
 
     if packed:
-        from ..weights import PackedLinear
+        from ..fast.weights import PackedLinear
 
         linears = [PackedLinear(w.t(), None) for w in weights] + [PackedLinear(head, None)]
         xs = inputs + [x_head]
@@ -327,7 +327,7 @@ def training_step_cost(checkpointing: bool, batch: int = 8, tokens: int = 32, st
     is per process."""
     import resource
 
-    from ..train import enable_checkpointing
+    from ..train.loop import enable_checkpointing
 
     torch.set_num_threads(threads)
     model = vit_gpt2_small().train()

@@ -6,8 +6,9 @@ import os
 
 import torch
 
-from .architecture import new_encoder_decoder
-from .files import save_figure
+from ..files import save_figure
+from . import SHIPPED_MODELS
+from .encoder_decoder import new_encoder_decoder
 from .vision import load_image, pixel_values
 
 
@@ -67,8 +68,7 @@ def caption_accuracy(engine, processor, tokenizer, dataset, limit: int | None = 
     return {"exact_match": exact / n, "token_accuracy": tokens_right / max(tokens_total, 1)}
 
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "models",
-                             "scene-captioner")
+DEFAULT_MODEL = os.path.join(SHIPPED_MODELS, "scene-captioner")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
 
@@ -78,8 +78,8 @@ class Captioner:
 
     def __init__(self, model: str | None = None, compile: bool = False, allow_pickle: bool = False,
                  weights: str = "exact"):
-        from .hf import load_image_processor, load_tokenizer
-        from .models import load
+        from ..hf.loading import load_image_processor, load_tokenizer
+        from ..hf.model import load
 
         path = model or DEFAULT_MODEL
         if model is None and not os.path.isdir(path):
@@ -186,6 +186,6 @@ def _share(a: list[str], b: list[str]) -> float:
 
 def image_files(paths: list[str]) -> list[str]:
     """Files as given, folders expanded to their image files (sorted)."""
-    from .jobs import input_files
+    from ..jobs import input_files
 
     return input_files(paths, IMAGE_EXTENSIONS)

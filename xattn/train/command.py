@@ -19,8 +19,8 @@ NEW_MODELS = ("new-scene-captioner", "new-digit-recognizer", "new-speaker")
 
 
 def add_arguments(parser) -> None:
-    from .argtypes import THREADS, integer, number
-    from .train import TrainConfig
+    from ..argtypes import THREADS, integer, number
+    from .loop import TrainConfig
 
     parser.add_argument("--data", required=True, help="directory with train/ and validation/ (imagefolders, or "
                         "audio files + metadata.jsonl)")
@@ -53,8 +53,8 @@ def add_arguments(parser) -> None:
 def _patch_size(text: str) -> int:
     import argparse
 
-    from .argtypes import integer
-    from .datasets.scenes import IMAGE_SIZE
+    from ..argtypes import integer
+    from ..datasets.scenes import IMAGE_SIZE
 
     value = integer(1, IMAGE_SIZE)(text)
     if IMAGE_SIZE % value:
@@ -65,7 +65,7 @@ def _patch_size(text: str) -> int:
 
 
 def main(args) -> int:
-    from .train import TrainConfig
+    from .loop import TrainConfig
 
     for split in ("train", "validation"):
         if not os.path.isdir(os.path.join(args.data, split)):
@@ -90,9 +90,9 @@ def main(args) -> int:
 
 
 def run(args, config):
-    from .hf import load_config, load_tokenizer
-    from .train import seed_everything, train
-    from .train_checkpoints import replace_directory, writing
+    from ..hf.loading import load_config, load_tokenizer
+    from .checkpoints import replace_directory, writing
+    from .loop import seed_everything, train
 
     kinds = {"new-scene-captioner": _images, "new-digit-recognizer": _speech, "new-speaker": _tts,
              "vision-encoder-decoder": _images, "speech-encoder-decoder": _speech, "encoder-decoder": _tts}
@@ -101,8 +101,8 @@ def run(args, config):
         raise ValueError(f"{args.model}: a {kind} checkpoint; train takes vision-, speech- or text-to-speech "
                          "encoder-decoder models")
     if args.model == "new-speaker":
-        from .datasets.digits import TTS_VOICES
-        from .speak import text_tokenizer
+        from ..datasets.digits import TTS_VOICES
+        from ..tasks.speech_synthesis import text_tokenizer
 
         tokenizer = text_tokenizer(sorted(TTS_VOICES))
     elif args.model in NEW_MODELS:
@@ -137,7 +137,7 @@ class ImageRows:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict:
-        from .vision import load_image
+        from ..tasks.vision import load_image
 
         row = self.rows[index]
         return {"image": load_image(row["path"]), "text": row["text"], "path": row["path"]}
@@ -146,10 +146,10 @@ class ImageRows:
 def _images(args, tokenizer):
     from transformers import VisionEncoderDecoderModel
 
-    from .captioning import CaptionBatches, caption_accuracy, new_scene_captioner
-    from .datasets.digits import read_split
-    from .hf import load_image_processor, load_model
-    from .models import from_hf
+    from ..datasets.digits import read_split
+    from ..hf.loading import load_image_processor, load_model
+    from ..hf.model import from_hf
+    from ..tasks.captioning import CaptionBatches, caption_accuracy, new_scene_captioner
 
     train_rows = read_split(os.path.join(args.data, "train"))
     validation = ImageRows(read_split(os.path.join(args.data, "validation")))
@@ -169,10 +169,10 @@ def _images(args, tokenizer):
 def _speech(args, tokenizer):
     from transformers import SpeechEncoderDecoderModel
 
-    from .datasets.digits import read_split
-    from .hf import load_feature_extractor, load_model
-    from .models import from_hf
-    from .speech import SpeechBatches, new_digit_recognizer, transcription_accuracy
+    from ..datasets.digits import read_split
+    from ..hf.loading import load_feature_extractor, load_model
+    from ..hf.model import from_hf
+    from ..tasks.transcription import SpeechBatches, new_digit_recognizer, transcription_accuracy
 
     train_set = read_split(os.path.join(args.data, "train"))
     validation = read_split(os.path.join(args.data, "validation"))
@@ -205,11 +205,11 @@ def _check_text_lengths(rows: list[dict], tokenizer, model) -> None:
 def _tts(args, tokenizer):
     from transformers import EncoderDecoderModel
 
-    from .codes import HOP, SAMPLE_RATE, Codebook, log_mel
-    from .datasets.digits import read_split, tts_voice_name
-    from .hf import load_model
-    from .speak import CodeBatches, check_text, new_speaker
-    from .train_checkpoints import replace_directory, writing
+    from ..datasets.digits import read_split, tts_voice_name
+    from ..hf.loading import load_model
+    from ..tasks.audio_codes import HOP, SAMPLE_RATE, Codebook, log_mel
+    from ..tasks.speech_synthesis import CodeBatches, check_text, new_speaker
+    from .checkpoints import replace_directory, writing
 
     def fits(row):
         tts_voice_name(row)
@@ -224,7 +224,7 @@ def _tts(args, tokenizer):
         if args.resume and os.path.isdir(saved):  # a resumed run keeps its codebook
             codebook = Codebook.from_pretrained(saved)
         else:
-            from .audio import load_audio
+            from ..tasks.audio import load_audio
 
             frames = np.concatenate([log_mel(load_audio(r["path"])) for r in rows[:1500]])
             if len(frames) < 256:

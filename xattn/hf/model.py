@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .cache import CrossAttentionCache
-from .decoder import GPT2CrossAttentionDecoder
-from .generate import GenerationOptions, beam_search, sample_stream
+from ..cache import CrossAttentionCache
+from ..decoder import GPT2CrossAttentionDecoder
+from ..generate import GenerationOptions, beam_search, sample_stream
 
 _ENCODER_INPUTS = ("pixel_values", "input_features", "input_values")
 
@@ -65,8 +65,8 @@ class XattnModel:
         linear layers and the decoder's cross-attention K/V projection are copied into that format (a batch's
         encoder pass is bound by compute, and int8 products are faster). A ViT encoder in "packed" or "int8" then
         runs through xattn's kernel (xattn.vit); other encoders keep their modules, with converted linears."""
-        from . import vit
-        from .weights import convert_linears
+        from ..fast import vit
+        from ..fast.weights import convert_linears
 
         encoder, cross_weights = self.encoder, encoder_weights or "exact"
         if cross_weights != "exact" and encoder is not None:
@@ -324,7 +324,7 @@ def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | tor
     """from_pretrained + from_hf. Weights load from safetensors; pickle-based weights (pytorch_model.bin) only
     with allow_pickle=True, and then through torch.load(weights_only=True). Never remote code: a checkpoint that
     asks for its own code is refused (xattn.hf)."""
-    from .hf import load_config, load_model
+    from .loading import load_config, load_model
 
     if from_pretrained_kwargs.pop("trust_remote_code", False):
         raise ValueError("trust_remote_code=True is not supported: xattn never runs code shipped with a checkpoint")

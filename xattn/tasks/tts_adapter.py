@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .decoder import GPT2CrossAttentionDecoder
-from .generate import GenerationOptions, sample_stream
+from ..decoder import GPT2CrossAttentionDecoder
+from ..generate import GenerationOptions, sample_stream
 
 
 @dataclass

@@ -31,7 +31,7 @@ def save_checkpoint(model, optimizer, step: int, history: dict, config) -> None:
 
     A kill at any moment leaves `latest` naming a complete checkpoint; a full disk is a one-line ValueError
     that leaves the earlier checkpoints as they were."""
-    from .files import replaced_atomically
+    from ..files import replaced_atomically
 
     name = f"checkpoint-{step}"
     final = os.path.join(config.output_dir, name)

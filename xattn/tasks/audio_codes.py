@@ -113,7 +113,7 @@ def draw_spectrogram(frames: np.ndarray, path: str, title: str = "") -> None:
     """[frames, mels] log-mel as a PNG (time across, frequency up)."""
     import matplotlib
 
-    from .files import save_figure
+    from ..files import save_figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

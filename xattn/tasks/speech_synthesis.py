@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .codes import CHUNK, SAMPLE_RATE, Codebook, log_mel
+from . import SHIPPED_MODELS
+from .audio_codes import CHUNK, SAMPLE_RATE, Codebook, log_mel
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz '"
 MAX_TEXT = 120  # characters; the decoder's positions bound the audio length too
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "models",
-                             "speaker")
+DEFAULT_MODEL = os.path.join(SHIPPED_MODELS, "speaker")
 
 
 def text_tokenizer(voices: list[str]):
@@ -103,8 +103,8 @@ class Speaker:
     def __init__(self, model: str | None = None):
         from transformers import EncoderDecoderModel
 
-        from .hf import checkpoint_model_type, load_model, load_tokenizer
-        from .models import from_hf
+        from ..hf.loading import checkpoint_model_type, load_model, load_tokenizer
+        from ..hf.model import from_hf
 
         path = model or DEFAULT_MODEL
         if not os.path.isdir(path):

@@ -10,8 +10,9 @@ import warnings
 import numpy as np
 import torch
 
-from .architecture import new_encoder_decoder
+from . import SHIPPED_MODELS
 from .audio import input_features, load_audio
+from .encoder_decoder import new_encoder_decoder
 
 
 def new_digit_recognizer(tokenizer):
@@ -104,8 +105,7 @@ def transcription_accuracy(engine, feature_extractor, tokenizer, rows, limit: in
     return transcription_scores(truths, guesses)
 
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "models",
-                             "digit-recognizer")
+DEFAULT_MODEL = os.path.join(SHIPPED_MODELS, "digit-recognizer")
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".mp3", ".aiff", ".aif")
 
 
@@ -115,8 +115,8 @@ class Transcriber:
 
     def __init__(self, model: str | None = None, max_seconds: float = 20.0, compile: bool = False,
                  allow_pickle: bool = False, weights: str = "exact"):
-        from .hf import load_feature_extractor, load_tokenizer
-        from .models import load
+        from ..hf.loading import load_feature_extractor, load_tokenizer
+        from ..hf.model import load
 
         path = model or DEFAULT_MODEL
         if model is None and not os.path.isdir(path):
@@ -177,7 +177,7 @@ def shortest_input(engine, feature_extractor) -> int:
 
 def audio_files(paths: list[str]) -> list[str]:
     """Files as given, folders expanded to their audio files (sorted)."""
-    from .jobs import input_files
+    from ..jobs import input_files
 
     return input_files(paths, AUDIO_EXTENSIONS)
 

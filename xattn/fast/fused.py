@@ -12,8 +12,8 @@ import weakref
 
 import torch
 
+from ..cache import CrossAttentionCache
 from . import kernels
-from .cache import CrossAttentionCache
 from .weights import Int8Linear, PackedLinear
 
 # Most decoding rows a fused step takes, per format: above them the products are the libraries' (oneDNN's blocked

@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .train_checkpoints import error_line, latest_checkpoint, latest_words, load_checkpoint, save_checkpoint, writing
+from .checkpoints import error_line, latest_checkpoint, latest_words, load_checkpoint, save_checkpoint, writing
 
 __all__ = ["TrainConfig", "batch_indices", "enable_checkpointing", "latest_checkpoint", "learning_rate_at",
            "plot_history", "seed_everything", "train"]
@@ -292,7 +292,7 @@ def plot_history(history: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .files import save_figure
+    from ..files import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps, losses = history["step"], history["loss"]

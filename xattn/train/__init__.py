@@ -1,0 +1,2 @@
+"""Fine-tuning: the training loop (loop.py), its checkpoints (checkpoints.py) and the `xattn train` command
+(command.py)."""
