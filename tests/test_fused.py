@@ -8,7 +8,7 @@ import torch
 import xattn
 from conftest import count_calls, tiny_captioner, tiny_gpt2
 from xattn.decoder import GPT2CrossAttentionDecoder
-from xattn.fast import kernels
+from xattn.fast import accelerate, kernels
 from xattn.fast.fused import MAX_ROWS
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
@@ -73,7 +73,7 @@ def test_fused_step_equals_the_blocks_in_every_cache_layout(layout, fused_calls)
 
 def test_fused_step_without_cross_attention():
     model = tiny_gpt2(seed=62, add_cross_attention=False)
-    decoder = GPT2CrossAttentionDecoder(model.transformer, model.lm_head, weights="packed")
+    decoder = accelerate(GPT2CrossAttentionDecoder(model.transformer, model.lm_head), "packed")
     assert decoder.fused is not None and not decoder.fused.has_cross
     caches = _caches(decoder, rows=3)
     for with_fused, with_blocks in _run_both(decoder, caches):

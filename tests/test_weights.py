@@ -8,6 +8,7 @@ import torch
 
 import xattn
 from conftest import tiny_captioner
+from xattn.fast import accelerate
 from xattn.fast.weights import KINDS, ConvertedLinear, convert_linears
 
 
@@ -79,14 +80,14 @@ def test_an_int8_encoder_brings_int8_cross_key_values_close_to_the_exact_ones():
     for got, want in zip(engine.decoder.cross_key_values(states), exact.decoder.cross_key_values(states)):
         assert not torch.equal(got, want) and (got - want).abs().max() < 0.05 * want.abs().max()
     with pytest.raises(ValueError, match="choose one of"):
-        exact.decoder.with_weights("packed", cross_weights="int4")
+        accelerate(exact.decoder, "packed", cross_weights="int4")
 
 
 def test_exact_weights_are_the_models_own_tensors_not_copies():
     model = tiny_captioner(seed=45)
     decoder = xattn.from_hf(model).decoder
     assert decoder.projections[0]["qkv"].conv is model.decoder.transformer.h[0].attn.c_attn
-    assert decoder.head_projection.module is model.decoder.lm_head
+    assert decoder.steps.lm_head.module is model.decoder.lm_head
 
 
 def test_copies_are_released_with_their_decoder():

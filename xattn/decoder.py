@@ -9,17 +9,91 @@ so it can be compiled with torch.compile(fullgraph=True).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .cache import CrossAttentionCache
-from .fast import weights as weight_formats
-from .fast.fused import FusedLayers
-from .fast.greedy_head import GreedyHead
 
-_CROSS_BLOCK_FLOATS = 1 << 20  # cross K/V projected per block of at most this many outputs (4 MB), at least one row
+Projection = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
+
+
+class FusedStep(Protocol):
+    """A whole decode step through every block in one call (xattn.fast builds one)."""
+
+    def applies(self, rows: int, cache: CrossAttentionCache) -> bool: ...
+
+    def __call__(self, hidden: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor) -> torch.Tensor: ...
+
+
+class GreedyArgmax(Protocol):
+    """The argmax of the LM head's product without computing all of it (xattn.fast builds one)."""
+
+    def applies(self, rows: int) -> bool: ...
+
+    def __call__(self, hidden: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class DecoderSteps:
+    """How the decoder computes its products: transformers' own ("exact", built here) or copies in another format
+    with optional fast paths (xattn.fast.accelerate). The core only calls these; it never sees a format."""
+
+    name: str  # the weight format, for messages and bookkeeping ("exact", "packed", ...)
+    cross_name: str  # the format of the cross-attention K/V projection
+    projections: list[dict[str, Projection]]  # per block: qkv, attn_out, mlp_in, mlp_out (+ cross_q, cross_out)
+    cross_kv: list[Projection]  # per block with cross-attention: encoder states [.., D] -> K and V [.., 2D]
+    lm_head: Projection | None  # the LM head's projection (None: steps return hidden states)
+    attention: Callable = F.scaled_dot_product_attention  # (q, k, v, attn_mask=, scale=) -> out
+    tanh_gelu: bool = False  # GELU as one tanh-approximation op instead of the module's own activation
+    cross_rows: Callable[[int], int] | None = None  # encoder positions -> rows projected to cross K/V at a time
+    # (None: the whole batch at once)
+    fused: FusedStep | None = field(default=None, repr=False)  # a whole decode step in one call, where it applies
+    greedy_head: GreedyArgmax | None = field(default=None, repr=False)  # greedy tokens without the full head
+
+
+class ExactConv1D:
+    """transformers' Conv1D (weight [in, out]): the same addmm it runs, so results match bit for bit."""
+
+    def __init__(self, conv: nn.Module):
+        self.conv = conv
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.conv.bias, x.reshape(-1, x.shape[-1]), self.conv.weight)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class ExactModule:
+    """Any module called as is (the LM head: nn.Linear)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def block_convs(block: nn.Module) -> dict[str, nn.Module]:
+    """A GPT-2 block's per-step Conv1D projections by name."""
+    convs = {"qkv": block.attn.c_attn, "attn_out": block.attn.c_proj, "mlp_in": block.mlp.c_fc,
+             "mlp_out": block.mlp.c_proj}
+    if hasattr(block, "crossattention"):
+        convs.update(cross_q=block.crossattention.q_attn, cross_out=block.crossattention.c_proj)
+    return convs
+
+
+def exact_steps(transformer: nn.Module, lm_head: nn.Module | None) -> DecoderSteps:
+    """transformers' own tensors and ops: logits bit-identical to its forward."""
+    return DecoderSteps(
+        name="exact", cross_name="exact",
+        projections=[{name: ExactConv1D(conv) for name, conv in block_convs(block).items()} for block in transformer.h],
+        cross_kv=[ExactConv1D(block.crossattention.c_attn) for block in transformer.h
+                  if hasattr(block, "crossattention")],
+        lm_head=None if lm_head is None else ExactModule(lm_head),
+    )
 
 
 def _layer_norm(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
@@ -35,8 +109,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
         token and position embeddings live outside the GPT2Model (Tortoise/XTTS-style TTS).
     head: optional `hidden [B, T, D] -> logits` replacing lm_head, applied after ln_f (those models' own
         final norm + head).
-    weights: the format of the per-step projections (see xattn.weights): "exact" reads transformers'
-        tensors with its own ops (bit-identical); "packed" (fp32), "bf16" and "int8" are copies made here.
+    steps: how the products are computed (DecoderSteps); default transformers' own ("exact"). Other formats
+        and fast paths come from xattn.fast.accelerate(decoder, weights).
     """
 
     def __init__(
@@ -46,21 +120,14 @@ class GPT2CrossAttentionDecoder(nn.Module):
         *,
         embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        weights: str = "exact",
-        cross_weights: str = "exact",
+        steps: DecoderSteps | None = None,
     ):
         super().__init__()
         config = transformer.config
-        self.weights = weight_formats.check_kind(weights)
-        self.cross_weights = weight_formats.check_kind(cross_weights)
-        for name, kind in (("weights", weights), ("cross_weights", cross_weights)):
-            if kind != "exact" and transformer.ln_f.weight.device.type != "cpu":
-                raise ValueError(f"{name}={kind!r} runs on CPU only; use {name}='exact' on "
-                                 f"{transformer.ln_f.weight.device}")
         self.transformer = transformer
         self.lm_head = lm_head
-        self.custom_embed = embed
-        self.custom_head = head
+        self.embed_fn = embed
+        self.output_fn = head
         self.num_layers = config.n_layer
         self.num_heads = config.n_head
         self.hidden_size = config.n_embd
@@ -73,33 +140,20 @@ class GPT2CrossAttentionDecoder(nn.Module):
             if config.scale_attn_by_inverse_layer_idx:
                 scaling /= float(layer_idx + 1)
             self.scalings.append(scaling)
-        self.projections = [self._block_projections(block, weights) for block in transformer.h]
-        self.cross_kv = [weight_formats.conv1d(block.crossattention.c_attn, cross_weights)
-                         for block in transformer.h if hasattr(block, "crossattention")]
-        # exact: transformers' own attention and activation ops, for identical logits; otherwise the
-        # cheaper forms of the same math (a decode step's query is one row: SDPA's kernel costs more than it)
-        self.attention = F.scaled_dot_product_attention if weights == "exact" else _plain_attention
-        fast_gelu = weights != "exact" and config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
-        self.activation = _tanh_gelu if fast_gelu else _module_activation
-        self.head_projection = None if lm_head is None else weight_formats.linear(lm_head, weights)
-        # packed: greedy steps take the head's argmax through an int8 copy, fp32 only where it is close (head.py)
-        self.greedy_head = None if head is not None else GreedyHead.build(self.head_projection)
-        # packed/int8 at few rows: every block in one kernel call (xattn/fused.py)
-        self.fused = FusedLayers.build(transformer, self.projections, self.scalings, weights,
-                                       config.activation_function)
+        self.steps = steps if steps is not None else exact_steps(transformer, lm_head)
+        self.projections = self.steps.projections
+        self.attention = self.steps.attention
+        self.activation = _tanh_gelu if self.steps.tanh_gelu else _module_activation
+        self.fused = self.steps.fused
+        self.greedy_head = None if head is not None else self.steps.greedy_head
 
-    @staticmethod
-    def _block_projections(block: nn.Module, kind: str) -> dict:
-        proj = {"qkv": block.attn.c_attn, "attn_out": block.attn.c_proj, "mlp_in": block.mlp.c_fc,
-                "mlp_out": block.mlp.c_proj}
-        if hasattr(block, "crossattention"):
-            proj.update(cross_q=block.crossattention.q_attn, cross_out=block.crossattention.c_proj)
-        return {name: weight_formats.conv1d(conv, kind) for name, conv in proj.items()}
+    @property
+    def weights(self) -> str:
+        return self.steps.name
 
-    def with_weights(self, weights: str, cross_weights: str = "exact") -> GPT2CrossAttentionDecoder:
-        """The same decoder (same transformers modules) with its projections in another format."""
-        return GPT2CrossAttentionDecoder(self.transformer, self.lm_head, embed=self.custom_embed,
-                                         head=self.custom_head, weights=weights, cross_weights=cross_weights)
+    @property
+    def cross_weights(self) -> str:
+        return self.steps.cross_name
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -147,11 +201,9 @@ class GPT2CrossAttentionDecoder(nn.Module):
         shape = (self.num_layers, b, self.num_heads, s, self.head_dim)
         keys = encoder_hidden_states.new_empty(shape)
         values = encoder_hidden_states.new_empty(shape)
-        # copies project a few encoder rows at a time: outputs that small are served again from malloc's heap,
-        # where a whole batch's (19 MB a layer for 16 ViT-B images) is mapped and faulted in anew each time.
-        # "exact" projects the batch at once, as transformers does.
-        group = b if self.cross_weights == "exact" else max(1, _CROSS_BLOCK_FLOATS // (s * 2 * self.hidden_size))
-        for layer_idx, projection in enumerate(self.cross_kv):
+        # "exact" projects the batch at once, as transformers does; a format may take a few rows at a time
+        group = b if self.steps.cross_rows is None else self.steps.cross_rows(s)
+        for layer_idx, projection in enumerate(self.steps.cross_kv):
             for start in range(0, b, group):
                 rows = encoder_hidden_states[start: start + group]
                 kv = projection(rows)  # (n, S, 2*D)
@@ -162,15 +214,15 @@ class GPT2CrossAttentionDecoder(nn.Module):
     # ---- forward ------------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[B, T] ids at positions [T] -> [B, T, D]."""
-        if self.custom_embed is not None:
-            return self.custom_embed(input_ids, positions)
+        if self.embed_fn is not None:
+            return self.embed_fn(input_ids, positions)
         return self.transformer.wte(input_ids) + self.transformer.wpe(positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = _layer_norm(hidden, self.transformer.ln_f)
-        if self.custom_head is not None:
-            return self.custom_head(hidden)
-        return hidden if self.head_projection is None else self.head_projection(hidden)
+        if self.output_fn is not None:
+            return self.output_fn(hidden)
+        return hidden if self.steps.lm_head is None else self.steps.lm_head(hidden)
 
     @torch.no_grad()
     def prefill(
@@ -188,7 +240,7 @@ class GPT2CrossAttentionDecoder(nn.Module):
             raise ValueError(f"prompt of {length} tokens does not fit the cache ({cache.max_length - start} free)")
         positions = torch.arange(start, start + length, device=self.device)
         if inputs_embeds is not None:
-            hidden = inputs_embeds + self.transformer.wpe(positions) if self.custom_embed is None else inputs_embeds
+            hidden = inputs_embeds + self.transformer.wpe(positions) if self.embed_fn is None else inputs_embeds
         else:
             hidden = self.embed(input_ids, positions)
         hidden = self.forward_hidden(hidden, cache, positions)
@@ -215,7 +267,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
     ) -> torch.Tensor:
         """decode_step's argmax with the ids in forbidden [F] left out: the next greedy tokens [B].
 
-        With the packed format's GreedyHead the whole fp32 head product is not computed; the tokens are the same.
+        With a greedy_head (xattn.fast: the packed format's) the whole head product is not computed; the tokens
+        are the same.
         Compiles like decode_step.
         """
         hidden = self._step_hidden(input_ids, cache, position)
@@ -309,7 +362,7 @@ def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling,
     return out.view(b_enc, h, g, t, hd).transpose(1, 2).reshape(b, h, t, hd)  # (B, H, T, hd)
 
 
-def _plain_attention(q, k, v, attn_mask=None, scale=None):
+def plain_attention(q, k, v, attn_mask=None, scale=None):
     """softmax(q k^T * scale) v with a boolean mask (True: may attend), as three products-and-softmax ops."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if attn_mask is not None:

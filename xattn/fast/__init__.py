@@ -1,3 +1,69 @@
 """The fast paths: weight formats for the decoder's projections, the fused decode step, the int8-screened greedy
 head, the ViT encoder kernel, and xattn's C++ kernels with their build. The core (cache, decoder, generate) never
 imports this package; it is entered through `accelerate` (a decoder) and `accelerate_encoder` (an encoder)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..decoder import DecoderSteps, GPT2CrossAttentionDecoder, block_convs, plain_attention
+from . import weights as formats
+from .fused import FusedLayers
+from .greedy_head import GreedyHead
+
+KINDS = formats.KINDS
+# copies project a few encoder rows at a time to cross K/V: outputs that small (4 MB) are served again from malloc's
+# heap, where a whole batch's (19 MB a layer for 16 ViT-B images) is mapped and faulted in anew each time
+_CROSS_BLOCK_FLOATS = 1 << 20
+
+
+def accelerate(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weights: str = "exact"
+               ) -> GPT2CrossAttentionDecoder:
+    """The same decoder (the same transformers modules) with its per-step projections in format `weights` ("exact",
+    "packed", "bf16", "int8"; see xattn.fast.weights), the cross-attention K/V projection in `cross_weights`, and
+    the fast paths the format allows (the fused step, the greedy head)."""
+    return GPT2CrossAttentionDecoder(decoder.transformer, decoder.lm_head, embed=decoder.embed_fn,
+                                     head=decoder.output_fn, steps=decoder_steps(decoder, weights, cross_weights))
+
+
+def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weights: str = "exact") -> DecoderSteps:
+    transformer, config = decoder.transformer, decoder.transformer.config
+    for name, kind in (("weights", weights), ("cross_weights", cross_weights)):
+        formats.check_kind(kind)
+        if kind != "exact" and transformer.ln_f.weight.device.type != "cpu":
+            device = transformer.ln_f.weight.device
+            raise ValueError(f"{name}={kind!r} runs on CPU only; use {name}='exact' on {device}")
+    projections = [{name: formats.conv1d(conv, weights) for name, conv in block_convs(block).items()}
+                   for block in transformer.h]
+    lm_head = None if decoder.lm_head is None else formats.linear(decoder.lm_head, weights)
+    copies = weights != "exact"
+    return DecoderSteps(
+        name=weights, cross_name=cross_weights, projections=projections,
+        cross_kv=[formats.conv1d(block.crossattention.c_attn, cross_weights) for block in transformer.h
+                  if hasattr(block, "crossattention")],
+        lm_head=lm_head,
+        # a decode step's query is one row: SDPA's kernel costs more than three plain ops
+        attention=plain_attention if copies else DecoderSteps.attention,
+        tanh_gelu=copies and config.activation_function in ("gelu_new", "gelu_pytorch_tanh"),
+        cross_rows=None if cross_weights == "exact" else _cross_rows(decoder),
+        fused=FusedLayers.build(transformer, projections, decoder.scalings, weights, config.activation_function),
+        greedy_head=None if decoder.output_fn is not None else GreedyHead.build(lm_head),
+    )
+
+
+def _cross_rows(decoder: GPT2CrossAttentionDecoder):
+    """Encoder rows per cross K/V projection: as many as fit _CROSS_BLOCK_FLOATS outputs, at least one."""
+    return lambda positions: max(1, _CROSS_BLOCK_FLOATS // (positions * 2 * decoder.hidden_size))
+
+
+def accelerate_encoder(encoder: nn.Module, kind: str) -> nn.Module:
+    """The encoder with its products in format `kind`: a transformers ViTModel through xattn's kernel (xattn.fast.vit)
+    where it applies, otherwise a copy with its nn.Linear layers converted."""
+    from . import vit
+
+    formats.check_kind(kind)
+    if kind == "exact":
+        return encoder
+    if vit.supports(encoder, kind):
+        return vit.ViTEncoder(encoder, kind)
+    return formats.convert_linears(encoder, kind)

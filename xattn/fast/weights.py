@@ -31,32 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..decoder import ExactConv1D, ExactModule
 from . import kernels
 
 KINDS = ("exact", "packed", "bf16", "int8")
 SMALL_ROWS = 64  # up to this many activation rows, xattn's fp32 kernel beats oneDNN's
 INT8_SMALL_ROWS = 3  # and its int8 one beats fbgemm's (measured on a 2-core AVX2 machine)
-
-
-class ExactConv1D:
-    """transformers' Conv1D (weight [in, out]): the same addmm it runs, so results match bit for bit."""
-
-    def __init__(self, conv: nn.Module):
-        self.conv = conv
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.addmm(self.conv.bias, x.reshape(-1, x.shape[-1]), self.conv.weight)
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-
-class ExactModule:
-    """Any module called as is (the LM head: nn.Linear)."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
 
 
 class _Copy:
@@ -183,7 +163,7 @@ def check_kind(kind: str) -> str:
 def conv1d(conv: nn.Module, kind: str):
     """A projection over a transformers Conv1D (weight [in, out])."""
     if kind == "exact":
-        return ExactConv1D(conv)
+        return ExactConv1D(conv)  # the core's own
     return _COPIES[kind](conv.weight.t(), conv.bias)
 
 

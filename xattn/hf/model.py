@@ -61,20 +61,17 @@ class XattnModel:
 
     def with_weights(self, weights: str, encoder_weights: str | None = None) -> XattnModel:
         """The same model with the decoder's projections in another format ("exact", "packed", "bf16",
-        "int8"; see xattn.weights). The encoder is shared, unless encoder_weights names a format: then its
+        "int8"; see xattn.fast.weights). The encoder is shared, unless encoder_weights names a format: then its
         linear layers and the decoder's cross-attention K/V projection are copied into that format (a batch's
         encoder pass is bound by compute, and int8 products are faster). A ViT encoder in "packed" or "int8" then
-        runs through xattn's kernel (xattn.vit); other encoders keep their modules, with converted linears."""
-        from ..fast import vit
-        from ..fast.weights import convert_linears
+        runs through xattn's kernel (xattn.fast.vit); other encoders keep their modules, with converted linears."""
+        from ..fast import accelerate, accelerate_encoder
 
-        encoder, cross_weights = self.encoder, encoder_weights or "exact"
-        if cross_weights != "exact" and encoder is not None:
-            if vit.supports(encoder, cross_weights):
-                encoder = vit.ViTEncoder(encoder, cross_weights)
-            else:
-                encoder = convert_linears(encoder, cross_weights)
-        return XattnModel(self.decoder.with_weights(weights, cross_weights), encoder=encoder,
+        cross_weights = encoder_weights or "exact"
+        encoder = self.encoder
+        if encoder is not None:
+            encoder = accelerate_encoder(encoder, cross_weights)
+        return XattnModel(accelerate(self.decoder, weights, cross_weights), encoder=encoder,
                           enc_to_dec_proj=self.enc_to_dec_proj, generation_config=self.generation_config,
                           hf_model=self.hf_model)
 
@@ -163,7 +160,7 @@ class XattnModel:
         opts = GenerationOptions.from_kwargs(self.generation_config, prompt.shape[1], **kwargs)
         prompt_length = prompt.shape[1]
         max_length = prompt_length + opts.max_new_tokens
-        if self.decoder.custom_embed is None and max_length > self.decoder.max_positions:
+        if self.decoder.embed_fn is None and max_length > self.decoder.max_positions:
             raise ValueError(
                 f"prompt ({prompt_length}) + max_new_tokens ({opts.max_new_tokens}) = {max_length} exceeds the "
                 f"decoder's n_positions ({self.decoder.max_positions}); lower max_new_tokens to at most "
@@ -291,7 +288,7 @@ def _check_tensor(name: str, tensor, decoder: GPT2CrossAttentionDecoder, ndim: i
 def from_hf(model: nn.Module, lm_head: nn.Module | None = None, weights: str = "exact") -> XattnModel:
     """Wrap a transformers VisionEncoderDecoderModel, SpeechEncoderDecoderModel, GPT2LMHeadModel or
     GPT2Model (+ lm_head). With weights="exact" no weight is copied; "packed", "bf16" and "int8" copy the
-    decoder's projections into that format (see xattn.weights)."""
+    decoder's projections into that format (see xattn.fast.weights)."""
     model.eval()
     generation_config = getattr(model, "generation_config", None)
     config = getattr(model, "config", None)
@@ -300,12 +297,20 @@ def from_hf(model: nn.Module, lm_head: nn.Module | None = None, weights: str = "
         transformer, head = _gpt2_parts(gpt2, lm_head)
         proj = getattr(model, "enc_to_dec_proj", None)
         return XattnModel(
-            GPT2CrossAttentionDecoder(transformer, head, weights=weights), encoder=model.encoder,
+            _decoder(transformer, head, weights), encoder=model.encoder,
             enc_to_dec_proj=proj, generation_config=generation_config, hf_model=model,
         )
     transformer, head = _gpt2_parts(model, lm_head)
-    decoder = GPT2CrossAttentionDecoder(transformer, head, weights=weights)
-    return XattnModel(decoder, generation_config=generation_config, hf_model=model)
+    return XattnModel(_decoder(transformer, head, weights), generation_config=generation_config, hf_model=model)
+
+
+def _decoder(transformer: nn.Module, head: nn.Module | None, weights: str) -> GPT2CrossAttentionDecoder:
+    decoder = GPT2CrossAttentionDecoder(transformer, head)
+    if weights == "exact":
+        return decoder
+    from ..fast import accelerate
+
+    return accelerate(decoder, weights)
 
 
 def _gpt2_parts(model: nn.Module, lm_head: nn.Module | None):
