@@ -9,7 +9,7 @@ import xattn
 from conftest import count_calls, tiny_captioner, tiny_gpt2
 from xattn.decoder import GPT2CrossAttentionDecoder
 from xattn.fast import accelerate, kernels
-from xattn.fast.fused import MAX_ROWS
+from xattn.fast.limits import LIMITS
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 
@@ -103,7 +103,7 @@ def test_generate_with_the_fused_step_gives_transformers_tokens(fused_calls):
 
 def test_above_the_row_limit_the_blocks_run(fused_calls):
     model = tiny_captioner(seed=65)
-    rows = MAX_ROWS["packed"] + 1
+    rows = LIMITS.fused_rows + 1
     pixels = torch.randn(rows, 3, 32, 32, generator=torch.Generator().manual_seed(8))
     kwargs = dict(max_new_tokens=6, min_new_tokens=6)
     out = xattn.from_hf(model, weights="packed").generate(pixel_values=pixels, **kwargs)

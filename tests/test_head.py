@@ -8,9 +8,9 @@ from torch import nn
 
 import xattn
 from conftest import count_calls, tiny_captioner
-from xattn.fast import greedy_head as greedy_head
 from xattn.fast import kernels
 from xattn.fast.greedy_head import GreedyHead
+from xattn.fast.limits import LIMITS
 from xattn.fast.weights import PackedLinear
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
@@ -86,13 +86,13 @@ def test_generate_with_the_screened_head_gives_transformers_tokens(monkeypatch):
     calls = count_calls(monkeypatch, kernels, "greedy_tokens")
     model = tiny_captioner(seed=61)
     engine = xattn.from_hf(model, weights="packed")
-    for rows in (1, 3, greedy_head.MAX_ROWS + 2):
+    for rows in (1, 3, LIMITS.greedy_head_rows + 2):
         pixels = torch.randn(rows, 3, 32, 32, generator=torch.Generator().manual_seed(rows))
         for kwargs in (dict(max_new_tokens=10, min_new_tokens=6), dict(max_new_tokens=10)):
             calls.clear()
             assert torch.equal(engine.generate(pixel_values=pixels, **kwargs), model.generate(pixel_values=pixels,
                                                                                              **kwargs))
-            assert bool(calls) == (rows <= greedy_head.MAX_ROWS)  # few rows only
+            assert bool(calls) == (rows <= LIMITS.greedy_head_rows)  # few rows only
     calls.clear()
     kwargs = dict(max_new_tokens=8, repetition_penalty=1.3)  # the penalty needs every logit: the full head runs
     assert torch.equal(engine.generate(pixel_values=pixels[:1], **kwargs),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xattn.fast import kernels
-from xattn.fast.weights import prepack_int8
+from xattn.fast.torch_ops import prepack_int8
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 

@@ -91,14 +91,14 @@ def test_exact_weights_are_the_models_own_tensors_not_copies():
 
 
 def test_copies_are_released_with_their_decoder():
-    from xattn.fast.weights import _Copy
+    from xattn.fast import registry
 
     engine = xattn.from_hf(tiny_captioner(seed=46), weights="int8")
     handles = [p.handle for block in engine.decoder.projections for p in block.values()]
-    assert all(h in _Copy._live for h in handles)
+    assert all(registry.alive(h) for h in handles)
     del engine
     gc.collect()
-    assert not any(h in _Copy._live for h in handles)
+    assert not any(registry.alive(h) for h in handles)
 
 
 def test_an_unknown_format_is_refused_with_the_choices():

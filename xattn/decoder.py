@@ -9,91 +9,13 @@ so it can be compiled with torch.compile(fullgraph=True).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .cache import CrossAttentionCache
-
-Projection = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
-
-
-class FusedStep(Protocol):
-    """A whole decode step through every block in one call (xattn.fast builds one)."""
-
-    def applies(self, rows: int, cache: CrossAttentionCache) -> bool: ...
-
-    def __call__(self, hidden: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor) -> torch.Tensor: ...
-
-
-class GreedyArgmax(Protocol):
-    """The argmax of the LM head's product without computing all of it (xattn.fast builds one)."""
-
-    def applies(self, rows: int) -> bool: ...
-
-    def __call__(self, hidden: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass
-class DecoderSteps:
-    """How the decoder computes its products: transformers' own ("exact", built here) or copies in another format
-    with optional fast paths (xattn.fast.accelerate). The core only calls these; it never sees a format."""
-
-    name: str  # the weight format, for messages and bookkeeping ("exact", "packed", ...)
-    cross_name: str  # the format of the cross-attention K/V projection
-    projections: list[dict[str, Projection]]  # per block: qkv, attn_out, mlp_in, mlp_out (+ cross_q, cross_out)
-    cross_kv: list[Projection]  # per block with cross-attention: encoder states [.., D] -> K and V [.., 2D]
-    lm_head: Projection | None  # the LM head's projection (None: steps return hidden states)
-    attention: Callable = F.scaled_dot_product_attention  # (q, k, v, attn_mask=, scale=) -> out
-    tanh_gelu: bool = False  # GELU as one tanh-approximation op instead of the module's own activation
-    cross_rows: Callable[[int], int] | None = None  # encoder positions -> rows projected to cross K/V at a time
-    # (None: the whole batch at once)
-    fused: FusedStep | None = field(default=None, repr=False)  # a whole decode step in one call, where it applies
-    greedy_head: GreedyArgmax | None = field(default=None, repr=False)  # greedy tokens without the full head
-
-
-class ExactConv1D:
-    """transformers' Conv1D (weight [in, out]): the same addmm it runs, so results match bit for bit."""
-
-    def __init__(self, conv: nn.Module):
-        self.conv = conv
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.addmm(self.conv.bias, x.reshape(-1, x.shape[-1]), self.conv.weight)
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-
-class ExactModule:
-    """Any module called as is (the LM head: nn.Linear)."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-
-def block_convs(block: nn.Module) -> dict[str, nn.Module]:
-    """A GPT-2 block's per-step Conv1D projections by name."""
-    convs = {"qkv": block.attn.c_attn, "attn_out": block.attn.c_proj, "mlp_in": block.mlp.c_fc,
-             "mlp_out": block.mlp.c_proj}
-    if hasattr(block, "crossattention"):
-        convs.update(cross_q=block.crossattention.q_attn, cross_out=block.crossattention.c_proj)
-    return convs
-
-
-def exact_steps(transformer: nn.Module, lm_head: nn.Module | None) -> DecoderSteps:
-    """transformers' own tensors and ops: logits bit-identical to its forward."""
-    return DecoderSteps(
-        name="exact", cross_name="exact",
-        projections=[{name: ExactConv1D(conv) for name, conv in block_convs(block).items()} for block in transformer.h],
-        cross_kv=[ExactConv1D(block.crossattention.c_attn) for block in transformer.h
-                  if hasattr(block, "crossattention")],
-        lm_head=None if lm_head is None else ExactModule(lm_head),
-    )
+from .steps import DecoderSteps, exact_steps
 
 
 def _layer_norm(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:

@@ -212,8 +212,8 @@ def floor_probe_ms(decoder, rows: int, repeats: int = 5) -> float:
     """The time to stream one decode step's fp32 weights once: a [rows, in] x [in, out] product over each tensor
     the step reads (self-attention, cross-attention query/output, MLP, LM head), nothing else; the faster of
     torch's matrix product on the tensors as they are and the packed format's products (xattn's kernel up to
-    weights.SMALL_ROWS rows, oneDNN's above). A decode step in fp32 cannot beat this on the same machine with
-    these kernels; the ratio to it says how much of a step is overhead."""
+    LIMITS.packed_kernel_rows rows, oneDNN's above). A decode step in fp32 cannot beat this on the same machine
+    with these kernels; the ratio to it says how much of a step is overhead."""
     plain = _stream_ms(decoder, rows, repeats, packed=False)
     if not torch.backends.mkldnn.is_available():
         return plain

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..decoder import DecoderSteps, GPT2CrossAttentionDecoder, block_convs, plain_attention
+from ..decoder import GPT2CrossAttentionDecoder, plain_attention
+from ..steps import DecoderSteps, block_convs
 from . import weights as formats
 from .fused import FusedLayers
 from .greedy_head import GreedyHead

@@ -7,19 +7,14 @@ math as the decoder's own blocks, in another order of summation: logits differ b
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 
 from ..cache import CrossAttentionCache
-from . import kernels
+from . import kernels, registry, torch_ops
+from .limits import LIMITS
 from .weights import Int8Linear, PackedLinear
 
-# Most decoding rows a fused step takes, per format: above them the products are the libraries' (oneDNN's blocked
-# fp32, fbgemm's int8), which the decoder's own blocks call.
-MAX_ROWS = {"packed": 64, "int8": 64}
-FBGEMM_ROWS = 5  # int8 from this many rows: fbgemm's products inside the fused step (1.4x xattn's at 8 rows)
+KINDS = ("packed", "int8")  # the formats whose copies the kernel reads
 _ORDER = ("qkv", "attn_out", "cross_q", "cross_out", "mlp_in", "mlp_out")
 
 
@@ -27,9 +22,7 @@ class FusedLayers:
     """The blocks' layer norms stacked [L, 3, D] and their projections' copies, in the kernel's order."""
 
     def __init__(self, transformer, projections: list[dict], scalings: list[float], kind: str):
-        self.max_rows = MAX_ROWS[kind]
-        self.handle = next(_handles)  # how the compiled graph's opaque op finds this object
-        _live[self.handle] = self
+        self.handle = registry.register(self)  # how the compiled graph's opaque op finds this object
         blocks = list(transformer.h)
         self.has_cross = all("cross_q" in proj for proj in projections)
         norms = []
@@ -49,14 +42,15 @@ class FusedLayers:
         weights = [c.kernel_weight for c in copies]
         int8 = [c for c in copies if isinstance(c, Int8Linear)]
         biases = [c.bias for c in copies]
-        packed = [c.packed for c in int8] if len(int8) == len(copies) else []
+        whole = len(int8) == len(copies) and torch_ops.fbgemm_available()
+        packed = [c.packed for c in int8] if whole else []  # fbgemm's, for the kernel's larger steps
         return weights, [c.scales for c in int8], biases, packed
 
     @classmethod
     def build(cls, transformer, projections, scalings, kind: str, activation: str) -> FusedLayers | None:
         """The fused step where it applies (kernels built, fp32 model, GPT-2's tanh GELU, copies with kernel
         weights and biases, fp32 widths in whole panels, one eps); None otherwise."""
-        if kind not in MAX_ROWS or not kernels.available() or activation not in ("gelu_new", "gelu_pytorch_tanh"):
+        if kind not in KINDS or not kernels.available() or activation not in ("gelu_new", "gelu_pytorch_tanh"):
             return None
         if transformer.ln_f.weight.dtype != torch.float32:
             return None
@@ -74,7 +68,7 @@ class FusedLayers:
         return cls(transformer, projections, scalings, kind)
 
     def applies(self, rows: int, cache: CrossAttentionCache) -> bool:
-        return rows <= self.max_rows and (not cache.has_cross or self.has_cross)
+        return rows <= LIMITS.fused_rows and (not cache.has_cross or self.has_cross)
 
     def __call__(self, hidden: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor) -> torch.Tensor:
         """hidden [B, D] -> [B, D] after every block; writes the step's K/V into the cache."""
@@ -88,20 +82,16 @@ class FusedLayers:
         weights, scales, biases, packed = self._lists[cross_keys is not None]
         return kernels.decoder_layers(
             hidden, self.norm_weight, self.norm_bias, weights, scales, biases,
-            packed if hidden.shape[0] >= FBGEMM_ROWS else [], keys, values, cross_keys, cross_values, cross_mask,
-            enc_index, position, self.scalings, self.eps,
+            packed if hidden.shape[0] >= LIMITS.fused_fbgemm_rows else [], keys, values, cross_keys, cross_values,
+            cross_mask, enc_index, position, self.scalings, self.eps,
         )
-
-
-_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_handles = itertools.count()
 
 
 @torch.library.custom_op("xattn::fused_layers", mutates_args=("keys", "values"))
 def _fused_layers(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cross_keys: torch.Tensor | None,
                   cross_values: torch.Tensor | None, cross_mask: torch.Tensor | None, enc_index: torch.Tensor | None,
                   position: torch.Tensor, handle: int) -> torch.Tensor:
-    return _live[handle].run(hidden, keys, values, cross_keys, cross_values, cross_mask, enc_index, position)
+    return registry.lookup(handle).run(hidden, keys, values, cross_keys, cross_values, cross_mask, enc_index, position)
 
 
 @_fused_layers.register_fake

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .limits import LIMITS
 from .weights import PackedLinear
-
-MAX_ROWS = 4  # above this many rows the int8 pass costs about what it saves (measured on a 2-core AVX2 machine)
 
 
 class GreedyHead:
@@ -42,7 +41,7 @@ class GreedyHead:
         return cls(head)
 
     def applies(self, rows: int) -> bool:
-        return rows <= MAX_ROWS
+        return rows <= LIMITS.greedy_head_rows  # above, the int8 pass costs about what it saves
 
     def __call__(self, hidden: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, D] (after the final layer norm), forbidden token ids [F] -> tokens [B]."""

@@ -14,8 +14,8 @@ import threading
 import torch
 from torch import nn
 
-from . import kernels
-from .weights import prepack_int8
+from . import kernels, torch_ops
+from .torch_ops import prepack_int8
 
 # a layer's projections, in the kernel's order, under transformers 5.x's names and 4.x's
 _PROJECTIONS = {
@@ -29,6 +29,8 @@ KINDS = ("packed", "int8")
 def supports(encoder: nn.Module, kind: str) -> bool:
     """Whether ViTEncoder can run this encoder in this weight format."""
     config = getattr(encoder, "config", None)
+    if kind == "int8" and not torch_ops.fbgemm_available():  # the kernel calls fbgemm's packed products
+        return False
     return (kind in KINDS and kernels.available() and type(encoder).__name__ == "ViTModel"
             and getattr(config, "hidden_act", None) == "gelu" and _naming(_layers(encoder)[0]) is not None)
 

@@ -5,17 +5,18 @@ out, MLP in and out per layer, then the LM head): at small batch it is bound by 
 format of those weights sets its speed.
 
 - "exact": transformers' own tensors and ops (Conv1D's addmm, the head's linear); bit-identical logits.
-- "packed": fp32 copies: at up to SMALL_ROWS activation rows (decode steps up to batch 16 x 4 beams) through
-  xattn's own AVX2 kernel (xattn.kernels, the weights in its 16-column panels), above that through oneDNN with the
-  weights prepacked in its blocked layout; the same values summed in another order, so logits differ by rounding
-  only. Greedy steps read the LM head through an int8 copy first and pick the same token (xattn/head.py).
+- "packed": fp32 copies: at up to LIMITS.packed_kernel_rows activation rows through xattn's own AVX2 kernel
+  (xattn.fast.kernels, the weights in its 16-column panels), above that through oneDNN with the weights prepacked
+  in its blocked layout; the same values summed in another order, so logits differ by rounding only. Greedy steps
+  read the LM head through an int8 copy first and pick the same token (xattn/fast/greedy_head.py).
 - "bf16": bfloat16 copies (half the bytes); activations are cast to bf16 for the product, results to fp32.
 - "int8": int8 copies with one scale per output channel, activations quantized per call: at up to
-  INT8_SMALL_ROWS rows by xattn's byte-product kernel (8-bit, symmetric per row), above that by fbgemm's
+  LIMITS.int8_kernel_rows rows by xattn's byte-product kernel (8-bit, symmetric per row), above that by fbgemm's
   dynamic linear (7-bit per tensor).
 
-Decode steps of "packed" and "int8" at up to 64 rows run every block in one kernel call (xattn/fused.py), with
-xattn's products there (int8 from 5 rows: fbgemm's, called from the kernel).
+Decode steps of "packed" and "int8" at up to LIMITS.fused_rows rows run every block in one kernel call
+(xattn/fast/fused.py), with xattn's products there (int8 from LIMITS.fused_fbgemm_rows rows: fbgemm's, called from
+the kernel). torch's private operators (oneDNN's, fbgemm's) are reached through xattn/fast/torch_ops.py.
 
 Copies are made once, when the decoder is built: later changes to the transformers weights are not seen
 (build the decoder again after fine-tuning).
@@ -23,20 +24,15 @@ Copies are made once, when the decoder is built: later changes to the transforme
 
 from __future__ import annotations
 
-import itertools
-import warnings
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..decoder import ExactConv1D, ExactModule
-from . import kernels
+from ..steps import ExactConv1D, ExactModule
+from . import kernels, registry, torch_ops
+from .limits import LIMITS
 
 KINDS = ("exact", "packed", "bf16", "int8")
-SMALL_ROWS = 64  # up to this many activation rows, xattn's fp32 kernel beats oneDNN's
-INT8_SMALL_ROWS = 3  # and its int8 one beats fbgemm's (measured on a 2-core AVX2 machine)
 
 
 class _Copy:
@@ -45,13 +41,9 @@ class _Copy:
     one opaque custom op (`xattn::projection`, which finds it by handle): the compiler cannot trace oneDNN's
     packed tensors or fbgemm's packed parameters, but compiles everything around them."""
 
-    _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-    _handles = itertools.count()
-
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.handle = next(_Copy._handles)
-        _Copy._live[self.handle] = self
+        self.handle = registry.register(self)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.direct(x)
@@ -72,12 +64,12 @@ class _Copy:
 
 @torch.library.custom_op("xattn::projection", mutates_args=())
 def _projection(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return _Copy._live[handle].forward(x)
+    return registry.lookup(handle).forward(x)
 
 
 @_projection.register_fake
 def _(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _Copy._live[handle].out_features)
+    return x.new_empty(*x.shape[:-1], registry.lookup(handle).out_features)
 
 
 def _small(x: torch.Tensor, kernel_weight: torch.Tensor | None, rows: int) -> bool:
@@ -91,17 +83,17 @@ class PackedLinear(_Copy):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
         weight = weight.detach().float().contiguous()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.weight = torch_ops.pack_fp32(weight)
         self.kernel_weight = kernels.panels(weight) if kernels.available() else None
         self.bias = None if bias is None else bias.detach().float().clone()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        if _small(x, self.kernel_weight, SMALL_ROWS):
+        if _small(x, self.kernel_weight, LIMITS.packed_kernel_rows):
             return kernels.matvec(x, self.kernel_weight, self.out_features, self.bias)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return torch_ops.linear_fp32(x, self.weight, self.bias)
 
 
 class BF16Linear(_Copy):
@@ -124,29 +116,17 @@ class Int8Linear(_Copy):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
         self.bias = None if bias is None else bias.detach().float().clone()
-        quantized, self.packed = prepack_int8(weight, self.bias)
+        quantized, self.packed = torch_ops.prepack_int8(weight, self.bias)
         self.kernel_weight = kernels.int8_blocks(quantized.int_repr()) if kernels.available() else None
         self.scales = quantized.q_per_channel_scales().float()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        if _small(x, self.kernel_weight, INT8_SMALL_ROWS):
+        if _small(x, self.kernel_weight, LIMITS.int8_kernel_rows):
             return kernels.matvec_int8(x, self.kernel_weight, self.out_features, self.scales, self.bias)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
-
-
-def prepack_int8(weight: torch.Tensor, bias: torch.Tensor | None):
-    """fp32 weight [out, in] -> (its int8 copy, symmetric with one scale per output channel, as a quantized tensor;
-    fbgemm's prepacked linear over it, bias inside)."""
-    weight = weight.detach().float()
-    scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
-    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm's kernels remain
-        warnings.simplefilter("ignore")
-        quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-        return quantized, torch.ops.quantized.linear_prepack(quantized, bias)
+        return torch_ops.linear_int8(x, self.packed)
 
 
 _COPIES = {"packed": PackedLinear, "bf16": BF16Linear, "int8": Int8Linear}
@@ -155,8 +135,6 @@ _COPIES = {"packed": PackedLinear, "bf16": BF16Linear, "int8": Int8Linear}
 def check_kind(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"weights={kind!r}: choose one of {', '.join(KINDS)}")
-    if kind != "exact" and not torch.backends.mkldnn.is_available():
-        raise ValueError(f"weights={kind!r} needs torch built with oneDNN (mkldnn); use weights='exact'")
     return kind
 
 

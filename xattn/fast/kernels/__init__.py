@@ -174,7 +174,7 @@ def _timeout() -> float:
 def _compile(out: str, log: str) -> None:
     """g++ over the sources into `out`, its output into `log`; BuildError on failure or past the timeout."""
     torch_dir = os.path.dirname(torch.__file__)
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    abi = int(torch.compiled_with_cxx11_abi())
     command = ["g++", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
                f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", os.path.join(torch_dir, "include"),
                "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"), *_SOURCES,
