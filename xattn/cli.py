@@ -240,11 +240,7 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .fast.weights import KINDS
-
-    parser = _Parser(prog="xattn", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def _bench_parser(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="decode speed side by side with transformers and CTranslate2 "
                                 "(ViT-B/16 + GPT-2 small)")
     bench.add_argument("--quick", action="store_true", help="one row (B=1 greedy), short runs")
@@ -260,37 +256,37 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--threads", type=THREADS, default=2, help="torch threads")
     bench.add_argument("--json", help="also write the results here (JSON)")
     bench.set_defaults(run=_bench)
+    return bench
 
-    caption = commands.add_parser("caption", help="caption images (files or folders) with a VisionEncoderDecoder model")
-    caption.add_argument("images", nargs="+", help="image files or folders of images")
-    caption.add_argument("--model", help="checkpoint directory or hub id (default: the shipped scene captioner)")
-    caption.add_argument("--output", "-o", help="JSON lines output (- for standard output); re-running resumes "
-                         "after what is done")
-    caption.add_argument("--batch-size", type=POSITIVE, default=16, help="files per batch")
-    caption.add_argument("--attention-map", metavar="PNG", help="draw each word's attention over the image")
-    caption.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    caption.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_generation_flags(caption)
-    caption.set_defaults(run=_caption)
 
-    transcribe = commands.add_parser("transcribe", help="transcribe audio files (or folders) with a "
-                                     "SpeechEncoderDecoder model")
-    transcribe.add_argument("audio", nargs="+", help="audio files (wav, flac, ogg, ...; any rate, mono or stereo) "
-                            "or folders of them")
-    transcribe.add_argument("--model", help="checkpoint directory or hub id (default: the shipped digit recognizer)")
-    transcribe.add_argument("--output", "-o", help="JSON lines output (- for standard output); re-running "
-                            "resumes after what is done")
-    transcribe.add_argument("--batch-size", type=POSITIVE, default=16, help="files per batch")
-    transcribe.add_argument("--max-seconds", type=number(0, low_open=True), default=20.0,
-                            help="refuse longer audio (the shipped model heard at most ~4 s in training)")
-    transcribe.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    transcribe.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_generation_flags(transcribe)
-    transcribe.set_defaults(run=_transcribe)
+def _job_parser(commands, name: str, run, inputs: str, inputs_help: str, what: str) -> argparse.ArgumentParser:
+    """caption / transcribe: files or folders in, JSON lines out, batched and resumable."""
+    from .fast.weights import KINDS
 
+    job = commands.add_parser(name, help=f"{name} {inputs} (files or folders) with a {what} model")
+    job.add_argument(inputs, nargs="+", help=inputs_help)
+    job.add_argument("--model", help="checkpoint directory or hub id (default: the shipped model)")
+    job.add_argument("--output", "-o", help="JSON lines output (- for standard output); re-running resumes after "
+                     "what is done")
+    job.add_argument("--batch-size", type=POSITIVE, default=16, help="files per batch")
+    job.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    job.add_argument("--quiet", action="store_true", help="no progress bar")
+    job.add_argument("--weights", default="exact", choices=KINDS, help="the decoder's weight format: exact "
+                     "(transformers' own tensors, identical tokens), packed (fp32 copies), bf16 or int8 "
+                     "(faster, small differences; see the README's Performance section)")
+    job.add_argument("--allow-pickle", action="store_true", help="also load pickle-based weights "
+                     "(pytorch_model.bin), through torch.load(weights_only=True); only for checkpoints you trust")
+    job.add_argument("--shard", type=_shard, metavar="I/N", help="process only the I-th of N equal shares of "
+                     "the files (I from 0); run N such jobs on N processes or machines, each resumable")
+    _add_generation_flags(job)
+    job.set_defaults(run=run)
+    return job
+
+
+def _speak_parser(commands) -> argparse.ArgumentParser:
     speak = commands.add_parser("speak", help="text to speech with the shipped TTS (or a TTS checkpoint)")
     speak.add_argument("text", help="what to say: letters a-z, spaces, apostrophes (digits as words)")
-    speak.add_argument("--output", "-o", default="speech.wav", help="audio file to write (.wav, .flac, .ogg, ...)")
+    speak.add_argument("--output", "-o", default="speech.wav", help="audio file to write (.wav, .flac, .aiff)")
     speak.add_argument("--voice", help="one of the model's voices (default: its first)")
     speak.add_argument("--model", help="TTS checkpoint directory (default: the shipped one)")
     speak.add_argument("--stream", action="store_true", help="write audio chunk by chunk while it is generated "
@@ -298,25 +294,36 @@ def main(argv: list[str] | None = None) -> int:
     speak.add_argument("--spectrogram", metavar="PNG", help="also draw the output's mel spectrogram")
     _add_generation_flags(speak)
     speak.set_defaults(run=_speak)
+    return speak
 
-    train = commands.add_parser("train", help="fine-tune or train a captioner or recognizer (= recipes/finetune.py)")
-    from .train import command as finetune
 
-    finetune.add_arguments(train)
-    train.set_defaults(run=finetune.main)
+def parser() -> argparse.ArgumentParser:
+    """The `xattn` command line: bench, caption, transcribe, speak, train."""
+    from .train import command as train_command
 
-    for sub in (caption, transcribe):
-        sub.add_argument("--weights", default="exact", choices=KINDS, help="the decoder's weight format: exact "
-                         "(transformers' own tensors, identical tokens), packed (fp32 copies), bf16 or int8 "
-                         "(faster, small differences; see the README's Performance section)")
-        sub.add_argument("--allow-pickle", action="store_true", help="also load pickle-based weights "
-                         "(pytorch_model.bin), through torch.load(weights_only=True); only for checkpoints you trust")
-        sub.add_argument("--shard", type=_shard, metavar="I/N", help="process only the I-th of N equal shares of "
-                         "the files (I from 0); run N such jobs on N processes or machines, each resumable")
-    for sub in (bench, caption, transcribe, speak, train):
+    top = _Parser(prog="xattn", description=__doc__)
+    commands = top.add_subparsers(dest="command", required=True)
+    subs = [_bench_parser(commands)]
+    caption = _job_parser(commands, "caption", _caption, "images", "image files or folders of images",
+                          "VisionEncoderDecoder")
+    caption.add_argument("--attention-map", metavar="PNG", help="draw each word's attention over the image")
+    transcribe = _job_parser(commands, "transcribe", _transcribe, "audio", "audio files (wav, flac, ogg, ...; "
+                             "any rate, mono or stereo) or folders of them", "SpeechEncoderDecoder")
+    transcribe.add_argument("--max-seconds", type=number(0, low_open=True), default=20.0,
+                            help="refuse longer audio (the shipped model heard at most ~4 s in training)")
+    train = commands.add_parser("train", help="fine-tune or train a captioner, recognizer or speaker "
+                                "(= recipes/finetune.py)")
+    train_command.add_arguments(train)
+    train.set_defaults(run=train_command.main)
+    subs += [caption, transcribe, _speak_parser(commands), train]
+    for sub in subs:
         sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        args = parser.parse_args(argv)
+        args = parser().parse_args(argv)
     except SystemExit as done:  # --help, or a usage error already printed in one line
         return int(done.code or 0)
     if not args.debug:  # transformers' per-file loading bars are noise around our one-line answers

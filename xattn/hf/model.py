@@ -137,19 +137,7 @@ class XattnModel:
         """Check the inputs, run the encoder, fill the cache and prefill the prompt."""
         kwargs = dict(kwargs)
         prompt, encoder_inputs, cache_in = self._take_inputs(inputs, kwargs)
-        attention_mask = kwargs.pop("attention_mask", None)
-        states = kwargs.pop("encoder_hidden_states", None)
-        states_mask = kwargs.pop("encoder_attention_mask", None)
-        if len(encoder_inputs) + (states is not None) > 1:
-            given = sorted(encoder_inputs) + (["encoder_hidden_states"] if states is not None else [])
-            raise ValueError(f"pass one encoder input, got {given}")
-        if encoder_inputs:
-            states, states_mask = self.encode(attention_mask, **encoder_inputs)
-        elif states is not None:
-            self._check_encoder_states(states, states_mask)
-        elif self.is_encoder_decoder and cache_in is None:
-            raise ValueError(f"pass {self._main_input_name()} (or encoder_hidden_states) to generate from")
-
+        states, states_mask = self._encoder_states(encoder_inputs, kwargs, cache_in)
         if cache_in is not None and prompt is None:
             raise ValueError("with a cache, pass decoder_input_ids: the sequence so far plus at least one new token")
         batch = states.shape[0] if states is not None else prompt.shape[0] if prompt is not None else 1
@@ -166,19 +154,7 @@ class XattnModel:
                 f"decoder's n_positions ({self.decoder.max_positions}); lower max_new_tokens to at most "
                 f"{self.decoder.max_positions - prompt_length}"
             )
-
-        if cache_in is not None:
-            cache = _adopt_cache(cache_in, max_length)
-            if cache.batch_size != batch:
-                raise ValueError(f"the given cache holds {cache.batch_size} rows but the prompt has {batch}")
-            if prompt_length <= cache.length:
-                raise ValueError("the prompt must extend past the cached positions by at least one token")
-            logits = self.decoder.prefill(cache, input_ids=prompt[:, cache.length:])
-        else:
-            bucket = self._cache_bucket
-            cache_length = min(-(-max_length // bucket) * bucket, max(self.decoder.max_positions, max_length))
-            cache = self.decoder.new_cache(batch, cache_length, states, states_mask)
-            logits = self.decoder.prefill(cache, input_ids=prompt)
+        cache, logits = self._prefilled(cache_in, prompt, max_length, states, states_mask)
         group = opts.group_size
         if group > 1:  # beams / candidates share the prefill: copy its K/V, never the cross K/V
             cache = cache.expand(group)
@@ -187,6 +163,39 @@ class XattnModel:
         sequences = prompt.new_full((prompt.shape[0], max_length), opts.pad_token_id or 0)
         sequences[:, :prompt_length] = prompt
         return _Plan(opts, cache, prompt, sequences, prompt_length, logits)
+
+    def _encoder_states(self, encoder_inputs: dict, kwargs: dict, cache_in) -> tuple:
+        """(encoder_hidden_states, encoder_attention_mask) from the encoder inputs or as given; (None, None) when
+        a given cache already holds what the decoder attends to."""
+        attention_mask = kwargs.pop("attention_mask", None)
+        states = kwargs.pop("encoder_hidden_states", None)
+        states_mask = kwargs.pop("encoder_attention_mask", None)
+        if len(encoder_inputs) + (states is not None) > 1:
+            given = sorted(encoder_inputs) + (["encoder_hidden_states"] if states is not None else [])
+            raise ValueError(f"pass one encoder input, got {given}")
+        if encoder_inputs:
+            return self.encode(attention_mask, **encoder_inputs)
+        if states is not None:
+            self._check_encoder_states(states, states_mask)
+        elif self.is_encoder_decoder and cache_in is None:
+            raise ValueError(f"pass {self._main_input_name()} (or encoder_hidden_states) to generate from")
+        return states, states_mask
+
+    def _prefilled(self, cache_in, prompt, max_length: int, states, states_mask) -> tuple:
+        """(the cache, the prompt's last logits [B, V]): a given cache extended by the prompt's new tokens, or a
+        new one (its length rounded up to the compile bucket) with the whole prompt."""
+        batch, prompt_length = prompt.shape
+        if cache_in is not None:
+            cache = _adopt_cache(cache_in, max_length)
+            if cache.batch_size != batch:
+                raise ValueError(f"the given cache holds {cache.batch_size} rows but the prompt has {batch}")
+            if prompt_length <= cache.length:
+                raise ValueError("the prompt must extend past the cached positions by at least one token")
+            return cache, self.decoder.prefill(cache, input_ids=prompt[:, cache.length:])
+        bucket = self._cache_bucket
+        cache_length = min(-(-max_length // bucket) * bucket, max(self.decoder.max_positions, max_length))
+        cache = self.decoder.new_cache(batch, cache_length, states, states_mask)
+        return cache, self.decoder.prefill(cache, input_ids=prompt)
 
     def _take_inputs(self, inputs, kwargs) -> tuple[torch.Tensor | None, dict, object]:
         """Pop (prompt, encoder inputs, given cache) from transformers-style arguments."""
@@ -248,12 +257,16 @@ class GenerateOutput:
     cache: CrossAttentionCache  # the cache as generation left it (beam search: the running beams)
 
 
+@dataclass
 class _Plan:
-    """What a generation run starts from: options, the filled cache, the prompt and the first logits."""
+    """What a generation run starts from."""
 
-    def __init__(self, opts, cache, prompt, sequences, prompt_length, logits):
-        self.opts, self.cache, self.prompt, self.sequences = opts, cache, prompt, sequences
-        self.prompt_length, self.logits = prompt_length, logits
+    opts: GenerationOptions  # the run's options, checked
+    cache: CrossAttentionCache  # filled: cross K/V and the prompt's self K/V (copied per beam / candidate)
+    prompt: torch.Tensor  # [B * group, P]
+    sequences: torch.Tensor  # [B * group, P + max_new_tokens]: the prompt, then pad until tokens are written
+    prompt_length: int  # P
+    logits: torch.Tensor  # [B * group, V]: the prompt's last position
 
 
 def _adopt_cache(cache_in, max_length: int) -> CrossAttentionCache:

@@ -138,6 +138,9 @@ def train(
 
     world = _distributed()
     rank = world.rank if world else 0
+    if world and config.batch_size % world.size:
+        raise ValueError(f"batch_size {config.batch_size} is the global batch: make it a multiple of the "
+                         f"{world.size} processes")
     with writing(config.output_dir, "create the output folder", "choose another output folder"):
         os.makedirs(config.output_dir, exist_ok=True)
     seed_everything(config.seed)
@@ -145,23 +148,11 @@ def train(
         enable_checkpointing(model)
     use_cache = getattr(model.config, "use_cache", None)
     model.config.use_cache = False  # no K/V cache in training (and it clashes with checkpointing)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.learning_rate,
-    )
-    history = {"step": [], "loss": [], "eval": []}
-    step = 0
-    if resume:
-        step, history = load_checkpoint(model, optimizer, config.output_dir)
-    use_bf16 = config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and cpu_has_native_bf16())
-    if world and config.batch_size % world.size:
-        raise ValueError(f"batch_size {config.batch_size} is the global batch: make it a multiple of the "
-                         f"{world.size} processes")
-    # find_unused_parameters: encoders carry parts a captioner never uses (ViT's pooler)
-    runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world else model
+    optimizer = _optimizer(model, config)
+    step, history = load_checkpoint(model, optimizer, config.output_dir) if resume else \
+        (0, {"step": [], "loss": [], "eval": []})
     loss_png = os.path.join(config.output_dir, "loss.png")
+    step_once = _Stepper(model, optimizer, dataset, collate, config, world)
 
     model.train()
     # closed (a newline) even when training stops with an error, so the message gets a line of its own
@@ -169,43 +160,15 @@ def train(
               dynamic_ncols=True) as bar:
         done_here = 0
         while step < config.max_steps:
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate_at(step, config)
-            indices = batch_indices(step, len(dataset), config.batch_size, config.seed)
-            if world:
-                indices = indices.chunk(world.size)[rank]
-            examples = [dataset[int(i)] for i in indices]
-            try:
-                inputs = collate(examples)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-                    loss = runner(**inputs).loss
-            except (ValueError, RuntimeError, IndexError) as error:
-                named = _batch_error(error, examples, step, lambda e: model(**collate([e])))
-                if named is None:
-                    raise
-                raise named from error
-            if world:  # DDP averages gradients over processes: weight each share by its tokens in the whole batch
-                loss = _global_token_mean(loss, inputs["labels"], world.size)
-            logged = _whole_batch_loss(loss, world)
-            if not math.isfinite(logged):  # checked before the update, so the weights stay usable
-                raise ValueError(f"the training loss is {logged} at step {step + 1}: lower --learning-rate or "
-                                 f"--max-grad-norm (or use --mixed-precision no); {latest_words(config.output_dir)}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-            optimizer.step()
+            loss = step_once(step)
             step += 1
             done_here += 1
             history["step"].append(step)
-            history["loss"].append(logged)
+            history["loss"].append(loss)
             bar.update(1)
-            bar.set_postfix(loss=f"{logged:.4f}")
+            bar.set_postfix(loss=f"{loss:.4f}")
             if evaluate is not None and rank == 0 and (step % config.eval_every == 0 or step == config.max_steps):
-                model.eval()
-                metrics = evaluate(model)
-                model.train()
-                history["eval"].append({"step": step, **metrics})
-                bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                _evaluate(model, evaluate, history, step, bar)
                 _plot(history, loss_png, config.output_dir)
             stopping = stop_after is not None and done_here >= stop_after
             if step % config.save_every == 0 or step == config.max_steps or stopping:
@@ -220,6 +183,65 @@ def train(
     if rank == 0:
         _plot(history, loss_png, config.output_dir)
     return history
+
+
+def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+    )
+
+
+class _Stepper:
+    """One optimizer step on the batch of a step number: (step) -> the whole batch's loss."""
+
+    def __init__(self, model, optimizer, dataset, collate, config: TrainConfig, world):
+        self.model, self.optimizer, self.dataset, self.collate = model, optimizer, dataset, collate
+        self.config, self.world = config, world
+        self.bf16 = config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and cpu_has_native_bf16())
+        # find_unused_parameters: encoders carry parts a captioner never uses (ViT's pooler)
+        self.runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world \
+            else model
+
+    def __call__(self, step: int) -> float:
+        config, world = self.config, self.world
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate_at(step, config)
+        indices = batch_indices(step, len(self.dataset), config.batch_size, config.seed)
+        if world:
+            indices = indices.chunk(world.size)[world.rank]
+        examples = [self.dataset[int(i)] for i in indices]
+        try:
+            inputs = self.collate(examples)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                loss = self.runner(**inputs).loss
+        except (ValueError, RuntimeError, IndexError) as error:
+            named = _batch_error(error, examples, step, lambda e: self.model(**self.collate([e])))
+            if named is None:
+                raise
+            raise named from error
+        if world:  # DDP averages gradients over processes: weight each share by its tokens in the whole batch
+            loss = _global_token_mean(loss, inputs["labels"], world.size)
+        logged = _whole_batch_loss(loss, world)
+        if not math.isfinite(logged):  # checked before the update, so the weights stay usable
+            raise ValueError(f"the training loss is {logged} at step {step + 1}: lower --learning-rate or "
+                             f"--max-grad-norm (or use --mixed-precision no); {latest_words(config.output_dir)}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+        self.optimizer.step()
+        return logged
+
+
+def _evaluate(model, evaluate, history: dict, step: int, bar) -> None:
+    model.eval()
+    metrics = evaluate(model)
+    model.train()
+    history["eval"].append({"step": step, **metrics})
+    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
 
 def _batch_error(error: Exception, examples: list, step: int, alone: Callable[[dict], object]) -> ValueError | None:
