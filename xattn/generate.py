@@ -1,7 +1,8 @@
 """Generation over a GPT2CrossAttentionDecoder and its static cache: greedy, sampling, beam search, streaming.
 
 Keyword names and meanings follow transformers' `generate`; the token streams are the same (see tests/).
-One loop per strategy: prefill once, then decode_step + logits processors + choose, until every row stops.
+Prefill once, then one short loop: decode_step, then a strategy (GreedyDecoder, SamplingDecoder, BeamSearchDecoder)
+that runs the logit filters (logit_filters.py) and chooses, until every row stops.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import CrossAttentionCache
+from .logit_filters import MinNewTokens, build_filters
 
 DecodeStep = Callable[[torch.Tensor, CrossAttentionCache, torch.Tensor], torch.Tensor]
 # (tokens [B], cache, position, forbidden ids [F]) -> the next greedy tokens [B]: a decode step and its argmax
@@ -152,110 +154,180 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-# ---- logits processors: (sequences [B, cur], scores [B, V], new_tokens) -> scores ----------------------------
-def repetition_penalty(sequences: torch.Tensor, scores: torch.Tensor, penalty: float) -> torch.Tensor:
-    seen = torch.gather(scores, 1, sequences)
-    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
-    return scores.scatter(1, sequences, seen)
+# ---- greedy and sampling ----------------------------------------------------------------------------------
+class GreedyDecoder:
+    """One token per row and step (whisper's TokenDecoder); rows that emitted EOS get pad_token_id afterwards."""
+
+    def __init__(self, opts: GenerationOptions, prompt_length: int, rows: int, device: torch.device):
+        self.eos = torch.tensor(opts.eos_token_id, dtype=torch.long, device=device)  # [E]
+        self.min_length = MinNewTokens(prompt_length, opts.min_new_tokens, self.eos)  # also tells the fused argmax
+        self.filters = build_filters(opts, self.min_length)
+        self.pad = opts.pad_token_id
+        self.generator = opts.generator
+        self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)  # [B]
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(scores, dim=-1)
+
+    def update(self, sequences: torch.Tensor, logits: torch.Tensor | None, chosen: torch.Tensor | None = None):
+        """sequences [B, cur], logits [B, V] (or tokens [B] already chosen by a fused argmax) -> (tokens [B], done).
+
+        done is False or a bool tensor, read after the tokens are yielded."""
+        if chosen is None:
+            scores = logits.float()
+            for f in self.filters:
+                scores = f.apply(scores, sequences)
+            chosen = self.choose(scores)
+        if not self.eos.numel():
+            return chosen, False
+        tokens = torch.where(self.unfinished, chosen, self.pad)
+        self.unfinished &= ~torch.isin(tokens, self.eos)
+        return tokens, ~self.unfinished.any()
 
 
-def forbid_tokens(scores: torch.Tensor, token_ids: tuple[int, ...]) -> torch.Tensor:
-    scores = scores.clone()
-    scores[:, list(token_ids)] = -math.inf
-    return scores
+class SamplingDecoder(GreedyDecoder):
+    """Draws each token from the filtered distribution, with opts.generator (transformers' draws from its RNG)."""
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(scores, dim=-1)
+        return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
 
 
-def top_k_filter(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    k = min(top_k, scores.shape[-1])
-    kth = torch.topk(scores, k)[0][..., -1, None]
-    return scores.masked_fill(scores < kth, -math.inf)
-
-
-def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_scores, order = torch.sort(scores, descending=False)
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = cumulative <= (1 - top_p)
-    drop_sorted[..., -1:] = False  # always keep the most likely token
-    return scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -math.inf)
-
-
-def process_scores(sequences: torch.Tensor, scores: torch.Tensor, new_tokens: int, opts: GenerationOptions):
-    """transformers' processor order: penalties, min-length, then (sampling only) temperature, top-k, top-p."""
-    if opts.repetition_penalty != 1.0:
-        scores = repetition_penalty(sequences, scores, opts.repetition_penalty)
-    if new_tokens < opts.min_new_tokens and opts.eos_token_id:
-        scores = forbid_tokens(scores, opts.eos_token_id)
-    if opts.do_sample:
-        if opts.temperature != 1.0:
-            scores = scores / opts.temperature
-        if opts.top_k:
-            scores = top_k_filter(scores, opts.top_k)
-        if opts.top_p < 1.0:
-            scores = top_p_filter(scores, opts.top_p)
-    return scores
-
-
-# ---- greedy and sampling -------------------------------------------------------------------------------------
 def sample_stream(
-    step: DecodeStep,
-    cache: CrossAttentionCache,
-    sequences: torch.Tensor,
-    prompt_length: int,
-    logits: torch.Tensor,
-    opts: GenerationOptions,
-    position_offset: int = 0,
-    greedy_step: GreedyStep | None = None,
+    step: DecodeStep, cache: CrossAttentionCache, sequences: torch.Tensor, prompt_length: int, logits: torch.Tensor,
+    opts: GenerationOptions, position_offset: int = 0, greedy_step: GreedyStep | None = None,
 ) -> Iterator[torch.Tensor]:
     """Greedy or sampled tokens, one [B] tensor per step, written into sequences [B, prompt + max_new].
 
     logits: [B, V] from the prefill. Rows that emitted EOS get pad_token_id afterwards; the stream ends
     when every row has stopped or max_new_tokens are out. position_offset: cache positions before
     sequences[:, 0] (a prefix of embeddings that has no token ids). greedy_step: used instead of step where
-    the choice is a plain argmax (greedy, no repetition penalty): it returns the tokens, not the logits.
+    the choice is a plain argmax (greedy, no filter but min-length): it returns the tokens, not the logits.
     """
-    rows = sequences.shape[0]
-    device = sequences.device
-    unfinished = torch.ones(rows, dtype=torch.bool, device=device)
-    eos = torch.tensor(opts.eos_token_id, device=device) if opts.eos_token_id else None
-    plain_argmax = greedy_step is not None and not opts.do_sample and opts.repetition_penalty == 1.0
-    no_ids = torch.zeros(0, dtype=torch.long, device=device)
+    decoder = (SamplingDecoder if opts.do_sample else GreedyDecoder)(
+        opts, prompt_length, sequences.shape[0], sequences.device)
+    # the fused argmax takes the min-length rule as forbidden ids; any other filter needs the full scores
+    fused_argmax = (greedy_step is not None and not opts.do_sample
+                    and all(f is decoder.min_length for f in decoder.filters))
     chosen = None  # the greedy_step's tokens for this step
     for i in range(opts.max_new_tokens):
         cur = prompt_length + i
-        if chosen is not None:
-            tokens = chosen
-        else:
-            scores = process_scores(sequences[:, :cur], logits.float(), i, opts)
-            if opts.do_sample:
-                probs = F.softmax(scores, dim=-1)
-                tokens = torch.multinomial(probs, num_samples=1, generator=opts.generator).squeeze(1)
-            else:
-                tokens = torch.argmax(scores, dim=-1)
-        if eos is not None:
-            tokens = torch.where(unfinished, tokens, opts.pad_token_id)
+        tokens, done = decoder.update(sequences[:, :cur], logits, chosen)
         sequences[:, cur] = tokens
         yield tokens
-        if eos is not None:
-            unfinished &= ~torch.isin(tokens, eos)
-            if not bool(unfinished.any()):
-                return
-        if i + 1 < opts.max_new_tokens:
-            position = torch.tensor(position_offset + cur, device=device)
-            if plain_argmax:  # the forbidden ids are process_scores' min-length rule for the next step
-                forbidden = eos if eos is not None and i + 1 < opts.min_new_tokens else no_ids
-                chosen = greedy_step(tokens, cache, position, forbidden)
-            else:
-                logits = step(tokens, cache, position)
-            cache.length = position_offset + cur + 1
+        if done or i + 1 == opts.max_new_tokens:
+            return
+        position = torch.tensor(position_offset + cur, device=sequences.device)
+        if fused_argmax:
+            chosen = greedy_step(tokens, cache, position, decoder.min_length.forbidden(i + 1))
+        else:
+            logits = step(tokens, cache, position)
+        cache.length = position_offset + cur + 1
 
 
 # ---- beam search ------------------------------------------------------------------------------------------
+class BeamSearchDecoder:
+    """transformers' beam search scoring, stopping and tie-breaking, over [B, beams] rows.
+
+    Keeps the running beams and, per input, the beams best finished hypotheses; update() takes one step's logits
+    and says which rows go on with which tokens, finalize() returns the best hypotheses.
+    """
+
+    def __init__(self, opts: GenerationOptions, prompt: torch.Tensor):
+        k, device = opts.num_beams, prompt.device
+        self.opts, self.k, self.batch = opts, k, prompt.shape[0] // k
+        self.prompt_length = self.length = prompt.shape[1]  # length: tokens per beam so far, prompt included
+        self.max_length = self.prompt_length + opts.max_new_tokens
+        self.eos = torch.tensor(opts.eos_token_id, dtype=torch.long, device=device)  # [E]
+        self.filters = build_filters(opts, MinNewTokens(self.prompt_length, opts.min_new_tokens, self.eos))
+        self.keep = max(2, 1 + len(opts.eos_token_id)) * k  # candidates per input: k stay alive after some hit EOS
+        self.top_k_mask = torch.arange(self.keep, device=device) < k  # only the k best candidates may finish
+        self.row_offset = torch.arange(self.batch, device=device)[:, None] * k
+        # transformers' `pad or eos[0]`: a pad id of 0 also falls back to eos
+        fill = opts.pad_token_id or (opts.eos_token_id[0] if opts.eos_token_id else -1)
+        self.running = torch.full((self.batch, k, self.max_length), fill, dtype=torch.long, device=device)
+        self.running[:, :, :self.prompt_length] = prompt.view(self.batch, k, self.prompt_length)
+        self.running_scores = torch.zeros(self.batch, k, device=device)
+        self.running_scores[:, 1:] = _NEG  # the first step expands one beam per input, not k copies
+        self.finished_seqs = self.running.clone()
+        self.finished_scores = torch.full((self.batch, k), _NEG, device=device)
+        self.finished_lengths = torch.zeros(self.batch, k, dtype=torch.long, device=device)  # generated tokens
+        self.is_finished = torch.zeros(self.batch, k, dtype=torch.bool, device=device)
+        self.improvable = torch.ones(self.batch, 1, dtype=torch.bool, device=device)  # can a running beam still win
+
+    def update(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """logits [B * beams, V] -> (source rows [B * beams] of the cache to keep, their next tokens [B * beams]),
+        or None when the search is over."""
+        cand_scores, cand_index, cand_seqs, hits = self._candidates(logits)
+        source_rows = self._advance(cand_scores, cand_index // logits.shape[-1], cand_seqs, hits)
+        self._finish(cand_scores, cand_seqs, hits)
+        self.length += 1
+        if self._search_over(hits):
+            return None
+        return source_rows, self.running[:, :, self.length - 1].reshape(-1)
+
+    def _candidates(self, logits: torch.Tensor):
+        """The keep best one-token extensions per input: scores, flat indices, sequences and whether they stop."""
+        cur, vocab = self.length, logits.shape[-1]
+        log_probs = F.log_softmax(logits.float(), dim=-1)
+        for f in self.filters:
+            log_probs = f.apply(log_probs, self.running[:, :, :cur].reshape(self.batch * self.k, cur))
+        totals = (log_probs.view(self.batch, self.k, vocab) + self.running_scores[:, :, None]).view(self.batch, -1)
+        cand_scores, cand_index = torch.topk(totals, self.keep)  # [B, keep]
+        cand_seqs = torch.take_along_dim(self.running, (cand_index // vocab)[:, :, None], dim=1)
+        cand_seqs[:, :, cur] = cand_index % vocab
+        hits = torch.full_like(cand_scores, cur + 1 >= self.max_length, dtype=torch.bool)
+        hits |= torch.isin(cand_seqs[:, :, cur], self.eos)
+        return cand_scores, cand_index, cand_seqs, hits
+
+    def _advance(self, cand_scores, cand_beam, cand_seqs, hits) -> torch.Tensor:
+        """The k best candidates that did not stop become the running beams; returns their source rows."""
+        alive_scores = cand_scores + hits.to(torch.float32) * _NEG
+        alive = torch.topk(alive_scores, self.k)[1]
+        self.running = torch.take_along_dim(cand_seqs, alive[:, :, None], dim=1)
+        self.running_scores = torch.take_along_dim(alive_scores, alive, dim=1)
+        return (torch.take_along_dim(cand_beam, alive, dim=1) + self.row_offset).view(-1)
+
+    def _finish(self, cand_scores, cand_seqs, hits) -> None:
+        """Candidates that stopped join the finished set if they beat its worst."""
+        just_finished = hits & self.top_k_mask[None, :]
+        generated = self.length + 1 - self.prompt_length
+        normed = cand_scores / (generated**self.opts.length_penalty)
+        full = torch.all(self.is_finished, dim=-1, keepdim=True) & (self.opts.early_stopping is True)
+        normed = normed + full.to(torch.float32) * _NEG
+        normed = normed + (~self.improvable).to(torch.float32) * _NEG
+        normed = normed + (~just_finished) * _NEG
+        merged_scores = torch.cat((self.finished_scores, normed), dim=1)
+        best = torch.topk(merged_scores, self.k)[1]
+        self.finished_seqs = torch.take_along_dim(torch.cat((self.finished_seqs, cand_seqs), 1), best[:, :, None], 1)
+        self.finished_scores = torch.take_along_dim(merged_scores, best, dim=1)
+        lengths = torch.cat((self.finished_lengths, torch.full_like(hits, generated, dtype=torch.long)), 1)
+        self.finished_lengths = torch.take_along_dim(lengths, best, dim=1)
+        self.is_finished = torch.take_along_dim(torch.cat((self.is_finished, just_finished), 1), best, dim=1)
+
+    def _search_over(self, hits: torch.Tensor) -> bool:
+        """No running beam can beat the finished ones any more, or every candidate stopped."""
+        opts = self.opts
+        if opts.early_stopping == "never" and opts.length_penalty > 0.0:
+            best_length = self.max_length - self.prompt_length
+        else:
+            best_length = self.length - self.prompt_length
+        best_running = self.running_scores[:, :1] / (best_length**opts.length_penalty)
+        worst_finished = torch.where(self.is_finished, torch.min(self.finished_scores, dim=1, keepdim=True)[0], _NEG)
+        self.improvable = self.improvable & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
+        all_full = bool(torch.all(self.is_finished)) and opts.early_stopping is True
+        return not bool(torch.any(self.improvable)) or all_full or bool(torch.all(hits))
+
+    def finalize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequences [B * num_return_sequences, P + L], scores [B * num_return_sequences]), best first."""
+        n = self.opts.num_return_sequences
+        lengths = self.finished_lengths[:, :n].reshape(-1)
+        sequences = self.finished_seqs[:, :n].reshape(self.batch * n, self.max_length)
+        return sequences[:, : self.prompt_length + int(lengths.max())], self.finished_scores[:, :n].reshape(-1)
+
+
 def beam_search(
-    step: DecodeStep,
-    cache: CrossAttentionCache,
-    prompt: torch.Tensor,
-    logits: torch.Tensor,
-    opts: GenerationOptions,
+    step: DecodeStep, cache: CrossAttentionCache, prompt: torch.Tensor, logits: torch.Tensor, opts: GenerationOptions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Beam search with transformers' scoring, stopping and tie-breaking.
 
@@ -263,86 +335,10 @@ def beam_search(
     The cache's cross K/V stay one copy per input; only self-attention K/V are reordered.
     Returns (sequences [B * num_return_sequences, P + L], scores [B * num_return_sequences]).
     """
-    k = opts.num_beams
-    batch = prompt.shape[0] // k
-    prompt_length = prompt.shape[1]
-    max_length = prompt_length + opts.max_new_tokens
-    device = prompt.device
-    n_eos = len(opts.eos_token_id)
-    eos = torch.tensor(opts.eos_token_id, device=device) if n_eos else None
-    keep = max(2, 1 + n_eos) * k  # candidates per input: enough that k stay alive after some hit EOS
-    top_k_mask = torch.arange(keep, device=device) < k  # only the k best candidates may finish a beam
-
-    if opts.pad_token_id:  # transformers' `pad or eos[0]`: a pad id of 0 also falls back to eos
-        fill = opts.pad_token_id
-    else:
-        fill = opts.eos_token_id[0] if n_eos else -1
-    running = torch.full((batch, k, max_length), fill, dtype=torch.long, device=device)
-    running[:, :, :prompt_length] = prompt.view(batch, k, prompt_length)
-    finished_seqs = running.clone()
-    running_scores = torch.zeros(batch, k, device=device)
-    running_scores[:, 1:] = _NEG
-    finished_scores = torch.full((batch, k), _NEG, device=device)
-    finished_lengths = torch.zeros(batch, k, dtype=torch.long, device=device)  # generated tokens per hypothesis
-    is_finished = torch.zeros(batch, k, dtype=torch.bool, device=device)
-    improvable = torch.ones(batch, 1, dtype=torch.bool, device=device)
-    row_offset = torch.arange(batch, device=device)[:, None] * k
-
-    cur = prompt_length
-    while True:
-        log_probs = F.log_softmax(logits.float(), dim=-1)
-        log_probs = process_scores(running[:, :, :cur].reshape(batch * k, cur), log_probs, cur - prompt_length, opts)
-        vocab = log_probs.shape[-1]
-        totals = (log_probs.view(batch, k, vocab) + running_scores[:, :, None]).view(batch, k * vocab)
-
-        cand_scores, cand_index = torch.topk(totals, keep)  # (batch, keep)
-        cand_beam = cand_index // vocab
-        cand_seqs = torch.take_along_dim(running, cand_beam[:, :, None], dim=1)
-        cand_seqs[:, :, cur] = cand_index % vocab
-        hits = torch.full_like(cand_scores, cur + 1 >= max_length, dtype=torch.bool)
-        if eos is not None:
-            hits |= torch.isin(cand_seqs[:, :, cur], eos)
-
-        # beams that go on: the k best candidates that did not stop
-        alive_scores = cand_scores + hits.to(torch.float32) * _NEG
-        alive = torch.topk(alive_scores, k)[1]
-        running = torch.take_along_dim(cand_seqs, alive[:, :, None], dim=1)
-        running_scores = torch.take_along_dim(alive_scores, alive, dim=1)
-        source_rows = (torch.take_along_dim(cand_beam, alive, dim=1) + row_offset).view(-1)
-
-        # hypotheses that stopped join the finished set if they beat its worst
-        just_finished = hits & top_k_mask[None, :]
-        normed = cand_scores / ((cur + 1 - prompt_length) ** opts.length_penalty)
-        full = torch.all(is_finished, dim=-1, keepdim=True) & (opts.early_stopping is True)
-        normed = normed + full.to(torch.float32) * _NEG
-        normed = normed + (~improvable).to(torch.float32) * _NEG
-        normed = normed + (~just_finished) * _NEG
-        merged_scores = torch.cat((finished_scores, normed), dim=1)
-        best = torch.topk(merged_scores, k)[1]
-        finished_seqs = torch.take_along_dim(torch.cat((finished_seqs, cand_seqs), 1), best[:, :, None], dim=1)
-        finished_scores = torch.take_along_dim(merged_scores, best, dim=1)
-        new_lengths = torch.full_like(cand_index, cur + 1 - prompt_length)
-        finished_lengths = torch.take_along_dim(torch.cat((finished_lengths, new_lengths), 1), best, dim=1)
-        is_finished = torch.take_along_dim(torch.cat((is_finished, just_finished), 1), best, dim=1)
-
-        cur += 1
-        if opts.early_stopping == "never" and opts.length_penalty > 0.0:
-            best_length = max_length - prompt_length
-        else:
-            best_length = cur - prompt_length
-        best_running = running_scores[:, :1] / (best_length**opts.length_penalty)
-        worst_finished = torch.where(is_finished, torch.min(finished_scores, dim=1, keepdim=True)[0], _NEG)
-        improvable = improvable & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
-        all_full = bool(torch.all(is_finished)) and opts.early_stopping is True
-        if not bool(torch.any(improvable)) or all_full or bool(torch.all(hits)):
-            break
-
+    beams = BeamSearchDecoder(opts, prompt)
+    while (chosen := beams.update(logits)) is not None:
+        source_rows, tokens = chosen
         cache.reorder(source_rows)
-        tokens = running[:, :, cur - 1].reshape(-1)
-        logits = step(tokens, cache, torch.tensor(cur - 1, device=device))
-        cache.length = cur
-
-    n = opts.num_return_sequences
-    lengths = finished_lengths[:, :n].reshape(-1)
-    sequences = finished_seqs[:, :n].reshape(batch * n, max_length)
-    return sequences[:, : prompt_length + int(lengths.max())], finished_scores[:, :n].reshape(-1)
+        logits = step(tokens, cache, torch.tensor(beams.length - 1, device=prompt.device))
+        cache.length = beams.length
+    return beams.finalize()
