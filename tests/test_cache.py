@@ -49,8 +49,7 @@ def test_cached_step_by_step_logits_equal_uncached(setup):
     cache = _filled_cache(engine, pixels, 16)
     steps = [engine.decoder.prefill(cache, input_ids=tokens[:, :1])]
     for pos in range(1, tokens.shape[1]):
-        steps.append(engine.decoder.decode_step(tokens[:, pos], cache, torch.tensor(pos)))
-        cache.length = pos + 1
+        steps.append(engine.decoder.decode_step(tokens[:, pos], cache))  # at cache.position == pos, advances it
     assert torch.allclose(torch.stack(steps, 1), full, atol=1e-5, rtol=0)
 
 
@@ -74,7 +73,7 @@ def test_to_hf_cache_continues_in_transformers(setup):
     cache = _filled_cache(engine, pixels, 20)
     engine.decoder.prefill(cache, input_ids=tokens[:, :-1])
     hf_logits, _ = _hf_forward(model, pixels, tokens[:, -1:], cache=cache.to_hf())
-    ours = engine.decoder.decode_step(tokens[:, -1], cache, torch.tensor(tokens.shape[1] - 1))
+    ours = engine.decoder.decode_step(tokens[:, -1], cache)
     assert torch.allclose(hf_logits[:, -1], ours, atol=1e-4, rtol=0)
 
 
@@ -132,8 +131,7 @@ def test_cache_buffers_are_written_in_place(setup):
     keys_ptr, values_ptr = cache.keys.data_ptr(), cache.values.data_ptr()
     engine.decoder.prefill(cache, input_ids=tokens[:, :3])
     for pos in range(3, 8):
-        engine.decoder.decode_step(tokens[:, pos], cache, torch.tensor(pos))
-        cache.length = pos + 1
+        engine.decoder.decode_step(tokens[:, pos], cache)
     cache.reorder(torch.tensor([1, 0]))
     assert cache.keys.data_ptr() == keys_ptr and cache.values.data_ptr() == values_ptr
     assert cache.keys.shape == (2, 2, 4, 12, 8)  # [layers, B, H, T_max, D]
@@ -151,6 +149,6 @@ def test_select_rows_and_expand_share_cross_kv(setup):
     assert picked.encoder_rows().tolist() == [1, 0]
     # the selected rows decode exactly like the original rows they came from
     nxt = tokens[[1, 0], 4]
-    a = engine.decoder.decode_step(nxt, picked, torch.tensor(4))
-    b = engine.decoder.decode_step(tokens[:, 4], cache, torch.tensor(4))
+    a = engine.decoder.decode_step(nxt, picked)  # both at position 4: the selection has a position of its own
+    b = engine.decoder.decode_step(tokens[:, 4], cache)
     assert torch.allclose(a, b[[1, 0]], atol=1e-5)

@@ -7,7 +7,7 @@ import torch
 
 import xattn
 from conftest import count_calls, tiny_captioner, tiny_gpt2
-from xattn.decoder import GPT2CrossAttentionDecoder
+from xattn.decoder import GPT2CrossAttentionDecoder, advancing
 from xattn.fast import accelerate, kernels
 from xattn.fast.limits import LIMITS
 
@@ -35,13 +35,12 @@ def _run_both(decoder, caches, steps=6, seed=0):
     fused = decoder.fused
     generator = torch.Generator().manual_seed(seed)
     rows = caches[0].batch_size
-    for position in range(steps):
+    for _ in range(steps):
         ids = torch.randint(3, 99, (rows,), generator=generator)
-        at = torch.tensor(position)
-        with_fused = decoder.decode_step(ids, caches[0], at)
+        with_fused = decoder.decode_step(ids, caches[0])
         decoder.fused = None
         try:
-            with_blocks = decoder.decode_step(ids, caches[1], at)
+            with_blocks = decoder.decode_step(ids, caches[1])
         finally:
             decoder.fused = fused
         yield with_fused, with_blocks
@@ -137,11 +136,10 @@ def test_compiled_int8_step_equals_the_eager_step(fused_calls):
     decoder = xattn.from_hf(tiny_captioner(seed=67), weights="int8").decoder
     states = torch.randn(2, 17, 32, generator=torch.Generator().manual_seed(9))
     caches = [decoder.new_cache(8, 16, states) for _ in range(2)]
-    compiled = torch.compile(decoder.decode_step, fullgraph=True)
+    compiled = advancing(torch.compile(decoder.step_logits, fullgraph=True))
     generator = torch.Generator().manual_seed(10)
-    for position in range(4):
+    for _ in range(4):
         ids = torch.randint(3, 99, (8,), generator=generator)
-        at = torch.tensor(position)
-        assert torch.allclose(compiled(ids, caches[1], at), decoder.decode_step(ids, caches[0], at), atol=1e-5)
+        assert torch.allclose(compiled(ids, caches[1]), decoder.decode_step(ids, caches[0]), atol=1e-5)
     assert torch.allclose(caches[0].keys, caches[1].keys, atol=1e-6)
     assert fused_calls.count(8) == 8  # eager and compiled steps both ran the fused kernel

@@ -109,18 +109,21 @@ def stream(model, input_ids, opts, fused_argmax=None):
     sequences = torch.zeros(input_ids.shape[0], input_ids.shape[1] + opts.max_new_tokens, dtype=torch.long)
     sequences[:, : input_ids.shape[1]] = input_ids
 
-    def step(tokens, cache, position):
+    def step(tokens, cache):  # writes at the cache's position and advances it, as the decoder's steps do
+        position = cache.length
+        cache.length += 1
         assert torch.equal(sequences[:, position], tokens)
-        return model(sequences[:, : int(position) + 1]).logits[:, -1]
+        return model(sequences[:, : position + 1]).logits[:, -1]
 
-    def greedy_step(tokens, cache, position, forbidden):
+    def greedy_step(tokens, cache, forbidden):
         fused_argmax.append(forbidden.tolist())
-        return step(tokens, cache, position).float().index_fill(1, forbidden, -torch.inf).argmax(-1)
+        return step(tokens, cache).float().index_fill(1, forbidden, -torch.inf).argmax(-1)
 
     torch.manual_seed(1234)
     with torch.no_grad():
         logits = model(input_ids).logits[:, -1]
-        steps = list(sample_stream(step, SimpleNamespace(length=0), sequences, input_ids.shape[1], logits, opts,
+        cache = SimpleNamespace(length=input_ids.shape[1])  # after the prompt's prefill
+        steps = list(sample_stream(step, cache, sequences, input_ids.shape[1], logits, opts,
                                    greedy_step=None if fused_argmax is None else greedy_step))
     return sequences[:, : input_ids.shape[1] + len(steps)]
 

@@ -119,8 +119,8 @@ def test_caller_supplied_embeddings_and_head_match_transformers_forward():
         for pos in range(prefix.shape[1] + 1, prefix.shape[1] + 9):
             nxt = logits.argmax(-1)
             ours.append(nxt)
-            logits = decoder.decode_step(nxt, cache, torch.tensor(pos))
-            cache.length = pos + 1
+            assert cache.length == pos
+            logits = decoder.decode_step(nxt, cache)
 
         seq = ids
         theirs = []

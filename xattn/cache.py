@@ -18,10 +18,33 @@ class CrossAttentionCache:
     cross_keys: torch.Tensor | None  # [layers, B_enc, H, S, D] computed once from the encoder output
     cross_values: torch.Tensor | None  # [layers, B_enc, H, S, D]
     cross_mask: torch.Tensor | None  # [B_enc, S] bool, True where the encoder position is real (not padding)
-    length: int = 0  # tokens written so far; positions [0, length) are valid
     # Encoder row read by each decoding row. None means the regular layout: B = B_enc * group and rows
     # r*group .. r*group+group-1 read encoder row r (beams, candidates), which needs no gather at all.
     enc_index: torch.Tensor | None = None
+    # [] long: where the next token goes (= tokens written so far). A tensor, so that a compiled step reads it as
+    # an input; the cache alone moves it (advance), keeping it equal to the host-side `length`.
+    position: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.position is None:
+            self.position = torch.zeros((), dtype=torch.long, device=self.keys.device)
+        self._length = int(self.position)  # the same count on the host: read without a device sync
+
+    @property
+    def length(self) -> int:
+        """Tokens written so far; positions [0, length) are valid."""
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        if not 0 <= value <= self.max_length:
+            raise ValueError(f"cache length {value} is outside [0, {self.max_length}]")
+        self._length = int(value)
+        self.position.fill_(self._length)
+
+    def advance(self, tokens: int = 1) -> None:
+        """The positions just written count as valid: every prefill and decode step calls this once."""
+        self.length = self._length + tokens
 
     @classmethod
     def allocate(
@@ -105,8 +128,8 @@ class CrossAttentionCache:
             cross_keys=self.cross_keys,
             cross_values=self.cross_values,
             cross_mask=self.cross_mask,
-            length=self.length,
             enc_index=None if enc_index is None else enc_index.index_select(0, row_index),
+            position=self.position.clone(),
         )
 
     def expand(self, group: int) -> CrossAttentionCache:
@@ -207,7 +230,7 @@ class CrossAttentionCache:
         for i, (k, v) in enumerate(self_kv):
             cache.keys[i, :, :, :length] = k
             cache.values[i, :, :, :length] = v
-        cache.length = length
+        cache.advance(length)
         if cross_kv is not None:
             ck = torch.stack([k for k, _ in cross_kv])  # [layers, B, H, S, D]
             cv = torch.stack([v for _, v in cross_kv])

@@ -2,8 +2,9 @@
 
 No parameter is copied: every projection reads the module's own tensors. The forward pass writes
 self-attention K/V into a CrossAttentionCache in place and reads cross-attention K/V computed once.
-`prefill()` takes a prompt of any length; `decode_step()` takes one token per row with static shapes,
-so it can be compiled with torch.compile(fullgraph=True).
+`prefill()` takes a prompt of any length and `decode_step()` one token per row, each at the cache's position,
+which it advances; `step_logits()` is the step without the advance (static shapes, no host state), what
+torch.compile(fullgraph=True) compiles.
 """
 
 from __future__ import annotations
@@ -166,45 +167,46 @@ class GPT2CrossAttentionDecoder(nn.Module):
         else:
             hidden = self.embed(input_ids, positions)
         hidden = self.forward_hidden(hidden, cache, positions)
-        cache.length = start + length
+        cache.advance(length)
         if not all_logits:
             hidden = hidden[:, -1:]
         logits = self.logits(hidden)
         return logits if all_logits else logits[:, 0]
 
     @torch.no_grad()
-    def decode_step(
-        self, input_ids: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor
-    ) -> torch.Tensor:
-        """One token per row: input_ids [B], position a 0-d long tensor -> logits [B, V].
-
-        Static shapes and no data-dependent branching: compile it with torch.compile(fullgraph=True).
-        The caller advances cache.length (it is host-side bookkeeping, not part of the graph).
-        """
-        return self.logits(self._step_hidden(input_ids, cache, position))[:, 0]
+    def decode_step(self, input_ids: torch.Tensor, cache: CrossAttentionCache) -> torch.Tensor:
+        """One token per row at cache.position: input_ids [B] -> logits [B, V]; writes its K/V, advances the cache."""
+        return advancing(self.step_logits)(input_ids, cache)
 
     @torch.no_grad()
-    def decode_greedy(
-        self, input_ids: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor, forbidden: torch.Tensor
-    ) -> torch.Tensor:
-        """decode_step's argmax with the ids in forbidden [F] left out: the next greedy tokens [B].
+    def step_logits(self, input_ids: torch.Tensor, cache: CrossAttentionCache) -> torch.Tensor:
+        """decode_step without the advance: static shapes, no data-dependent branching, no host state (the
+        position is the cache's tensor), so torch.compile(fullgraph=True) compiles it once."""
+        return self.logits(self._step_hidden(input_ids, cache))[:, 0]
 
-        With a greedy_head (xattn.fast: the packed format's) the whole head product is not computed; the tokens
-        are the same.
-        Compiles like decode_step.
-        """
-        hidden = self._step_hidden(input_ids, cache, position)
+    @torch.no_grad()
+    def decode_greedy(self, input_ids: torch.Tensor, cache: CrossAttentionCache, forbidden: torch.Tensor
+                      ) -> torch.Tensor:
+        """decode_step's argmax with the ids in forbidden [F] left out: the next greedy tokens [B]."""
+        return advancing(self.step_greedy)(input_ids, cache, forbidden)
+
+    @torch.no_grad()
+    def step_greedy(self, input_ids: torch.Tensor, cache: CrossAttentionCache, forbidden: torch.Tensor
+                    ) -> torch.Tensor:
+        """decode_greedy without the advance (compiles like step_logits). With a greedy_head (xattn.fast: the packed
+        format's) the whole head product is not computed; the tokens are the same."""
+        hidden = self._step_hidden(input_ids, cache)
         if self.greedy_head is not None and self.greedy_head.applies(hidden.shape[0]):
             return self.greedy_head(_layer_norm(hidden[:, 0], self.transformer.ln_f), forbidden)
         logits = self.logits(hidden)[:, 0].float().index_fill(1, forbidden, float("-inf"))
         return torch.argmax(logits, dim=-1)
 
-    def _step_hidden(self, input_ids: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor):
-        """input_ids [B] at position -> the last block's output [B, 1, D] (before ln_f); writes the step's K/V."""
-        positions = position.view(1)
+    def _step_hidden(self, input_ids: torch.Tensor, cache: CrossAttentionCache):
+        """input_ids [B] at cache.position -> the last block's output [B, 1, D] (before ln_f); writes the step's K/V."""
+        positions = cache.position.view(1)
         hidden = self.embed(input_ids[:, None], positions)
         if self.fused is not None and self.fused.applies(input_ids.shape[0], cache):
-            return self.fused(hidden[:, 0], cache, position)[:, None]
+            return self.fused(hidden[:, 0], cache, cache.position)[:, None]
         return self.forward_hidden(hidden, cache, positions)
 
     @torch.no_grad()
@@ -214,7 +216,7 @@ class GPT2CrossAttentionDecoder(nn.Module):
         positions = torch.arange(cache.length, cache.length + input_ids.shape[1], device=self.device)
         record: list[torch.Tensor] = []
         self.forward_hidden(self.embed(input_ids, positions), cache, positions, record=record)
-        cache.length += input_ids.shape[1]
+        cache.advance(input_ids.shape[1])
         return torch.stack(record)
 
     def forward_hidden(
@@ -260,6 +262,17 @@ class GPT2CrossAttentionDecoder(nn.Module):
 
         # transformers' GPT2MLP: c_fc, act, c_proj (its dropout is the identity in eval)
         return hidden + proj["mlp_out"](self.activation(block, proj["mlp_in"](_layer_norm(hidden, block.ln_2))))
+
+
+def advancing(step: Callable) -> Callable:
+    """step(tokens, cache, *rest) followed by cache.advance(): a compiled step keeps no host state, so the cache's
+    position moves here, outside it."""
+    def run(tokens: torch.Tensor, cache: CrossAttentionCache, *rest):
+        out = step(tokens, cache, *rest)
+        cache.advance(1)
+        return out
+
+    return run
 
 
 def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling, attention):

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from .cache import CrossAttentionCache
 from .logit_filters import MinNewTokens, build_filters
 
-DecodeStep = Callable[[torch.Tensor, CrossAttentionCache, torch.Tensor], torch.Tensor]
-# (tokens [B], cache, position, forbidden ids [F]) -> the next greedy tokens [B]: a decode step and its argmax
-GreedyStep = Callable[[torch.Tensor, CrossAttentionCache, torch.Tensor, torch.Tensor], torch.Tensor]
+# (tokens [B], cache) -> logits [B, V]: one decode step at the cache's position, which it advances
+DecodeStep = Callable[[torch.Tensor, CrossAttentionCache], torch.Tensor]
+# (tokens [B], cache, forbidden ids [F]) -> the next greedy tokens [B]: a decode step and its argmax
+GreedyStep = Callable[[torch.Tensor, CrossAttentionCache, torch.Tensor], torch.Tensor]
 
 _NEG = -1.0e9  # the "impossible" score transformers' beam search uses (not -inf: it stays comparable)
 
@@ -195,13 +196,13 @@ class SamplingDecoder(GreedyDecoder):
 
 def sample_stream(
     step: DecodeStep, cache: CrossAttentionCache, sequences: torch.Tensor, prompt_length: int, logits: torch.Tensor,
-    opts: GenerationOptions, position_offset: int = 0, greedy_step: GreedyStep | None = None,
+    opts: GenerationOptions, greedy_step: GreedyStep | None = None,
 ) -> Iterator[torch.Tensor]:
     """Greedy or sampled tokens, one [B] tensor per step, written into sequences [B, prompt + max_new].
 
     logits: [B, V] from the prefill. Rows that emitted EOS get pad_token_id afterwards; the stream ends
-    when every row has stopped or max_new_tokens are out. position_offset: cache positions before
-    sequences[:, 0] (a prefix of embeddings that has no token ids). greedy_step: used instead of step where
+    when every row has stopped or max_new_tokens are out. Each step writes at the cache's own position (after
+    any prefix of embeddings the prefill wrote, which has no token ids). greedy_step: used instead of step where
     the choice is a plain argmax (greedy, no filter but min-length): it returns the tokens, not the logits.
     """
     decoder = (SamplingDecoder if opts.do_sample else GreedyDecoder)(
@@ -217,12 +218,10 @@ def sample_stream(
         yield tokens
         if done or i + 1 == opts.max_new_tokens:
             return
-        position = torch.tensor(position_offset + cur, device=sequences.device)
         if fused_argmax:
-            chosen = greedy_step(tokens, cache, position, decoder.min_length.forbidden(i + 1))
+            chosen = greedy_step(tokens, cache, decoder.min_length.forbidden(i + 1))
         else:
-            logits = step(tokens, cache, position)
-        cache.length = position_offset + cur + 1
+            logits = step(tokens, cache)
 
 
 # ---- beam search ------------------------------------------------------------------------------------------
@@ -339,6 +338,5 @@ def beam_search(
     while (chosen := beams.update(logits)) is not None:
         source_rows, tokens = chosen
         cache.reorder(source_rows)
-        logits = step(tokens, cache, torch.tensor(beams.length - 1, device=prompt.device))
-        cache.length = beams.length
+        logits = step(tokens, cache)
     return beams.finalize()

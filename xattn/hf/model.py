@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..cache import CrossAttentionCache
-from ..decoder import GPT2CrossAttentionDecoder
+from ..decoder import GPT2CrossAttentionDecoder, advancing
 from ..generate import GenerationOptions, beam_search, sample_stream
 
 _ENCODER_INPUTS = ("pixel_values", "input_features", "input_values")
@@ -53,9 +53,9 @@ class XattnModel:
         """
         compile_kwargs.setdefault("fullgraph", True)
         compile_kwargs.setdefault("dynamic", False)
-        self._decode_step = torch.compile(self.decoder.decode_step, **compile_kwargs)
+        self._decode_step = advancing(torch.compile(self.decoder.step_logits, **compile_kwargs))
         if self._greedy_step is not None:
-            self._greedy_step = torch.compile(self.decoder.decode_greedy, **compile_kwargs)
+            self._greedy_step = advancing(torch.compile(self.decoder.step_greedy, **compile_kwargs))
         self._cache_bucket = cache_bucket
         return self
 

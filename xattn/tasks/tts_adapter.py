@@ -90,14 +90,14 @@ class PrefixConditionedGPT2:
             cache, hidden = cache.expand(group), hidden.repeat_interleave(group, dim=0)
         latest = [hidden]
 
-        def step(tokens, cache, position):
-            latest[0] = decoder.decode_step(tokens, cache, position)
+        def step(tokens, cache):
+            latest[0] = decoder.decode_step(tokens, cache)
             return self.head(self._latent(latest[0]))
 
         sequences = start.new_full((batch * group, 1 + opts.max_new_tokens), opts.pad_token_id or 0)
         sequences[:, 0] = start_token
         logits = self.head(self._latent(hidden))
-        for tokens in sample_stream(step, cache, sequences, 1, logits, opts, position_offset=prefix_length):
+        for tokens in sample_stream(step, cache, sequences, 1, logits, opts):  # after the prefix, in the cache
             yield AudioTokens(tokens, self._latent(latest[0]))  # latest[0] produced these tokens
 
     def generate(self, prefix_embeds: torch.Tensor, **kwargs) -> AudioCodes:
