@@ -9,9 +9,9 @@ from torch import nn
 import xattn
 from conftest import count_calls, tiny_captioner
 from xattn.fast import kernels
+from xattn.fast.formats import PackedLinear
 from xattn.fast.greedy_head import GreedyHead
 from xattn.fast.limits import LIMITS
-from xattn.fast.weights import PackedLinear
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 

@@ -204,8 +204,8 @@ def test_products_refuse(int8, change, message):
 
 def head_args():
     """xattn.head.GreedyHead's arguments for a vocabulary of 40 and width 32, two rows."""
+    from xattn.fast.formats import PackedLinear
     from xattn.fast.greedy_head import GreedyHead
-    from xattn.fast.weights import PackedLinear
 
     head = GreedyHead(PackedLinear(_randn(40, 32), _randn(40)))
     return dict(x=_randn(2, 32), weight_panels=head.panels, bias=head.bias, screen=head.screen, scale=head.scales,

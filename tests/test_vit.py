@@ -6,8 +6,8 @@ from transformers import ViTConfig, ViTModel
 
 import xattn
 from conftest import tiny_captioner
+from xattn.fast.formats import ConvertedLinear, convert_linears
 from xattn.fast.vit import ViTEncoder, supports
-from xattn.fast.weights import ConvertedLinear, convert_linears
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 

@@ -9,7 +9,7 @@ import torch
 import xattn
 from conftest import tiny_captioner
 from xattn.fast import accelerate
-from xattn.fast.weights import KINDS, ConvertedLinear, convert_linears
+from xattn.fast.formats import KINDS, ConvertedLinear, convert_linears
 
 
 def _logits(engine, states, ids):

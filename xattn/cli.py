@@ -261,7 +261,7 @@ def _bench_parser(commands) -> argparse.ArgumentParser:
 
 def _job_parser(commands, name: str, run, inputs: str, inputs_help: str, what: str) -> argparse.ArgumentParser:
     """caption / transcribe: files or folders in, JSON lines out, batched and resumable."""
-    from .fast.weights import KINDS
+    from .fast.formats import KINDS
 
     job = commands.add_parser(name, help=f"{name} {inputs} (files or folders) with a {what} model")
     job.add_argument(inputs, nargs="+", help=inputs_help)

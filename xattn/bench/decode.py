@@ -231,7 +231,7 @@ def _stream_ms(decoder, rows: int, repeats: int, packed: bool) -> float:
     x_head = torch.randn(rows, head.shape[1])
 
     if packed:
-        from ..fast.weights import PackedLinear
+        from ..fast.formats import PackedLinear
 
         linears = [PackedLinear(w.t(), None) for w in weights] + [PackedLinear(head, None)]
         xs = inputs + [x_head]

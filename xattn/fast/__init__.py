@@ -8,7 +8,7 @@ from torch import nn
 
 from ..decoder import GPT2CrossAttentionDecoder, plain_attention
 from ..steps import DecoderSteps, block_convs
-from . import weights as formats
+from . import formats
 from .fused import FusedLayers
 from .greedy_head import GreedyHead
 
@@ -21,7 +21,7 @@ _CROSS_BLOCK_FLOATS = 1 << 20
 def accelerate(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weights: str = "exact"
                ) -> GPT2CrossAttentionDecoder:
     """The same decoder (the same transformers modules) with its per-step projections in format `weights` ("exact",
-    "packed", "bf16", "int8"; see xattn.fast.weights), the cross-attention K/V projection in `cross_weights`, and
+    "packed", "bf16", "int8"; see xattn.fast.formats), the cross-attention K/V projection in `cross_weights`, and
     the fast paths the format allows (the fused step, the greedy head)."""
     return GPT2CrossAttentionDecoder(decoder.transformer, decoder.lm_head, embed=decoder.embed_fn,
                                      head=decoder.output_fn, steps=decoder_steps(decoder, weights, cross_weights))

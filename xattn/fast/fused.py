@@ -11,8 +11,8 @@ import torch
 
 from ..cache import CrossAttentionCache
 from . import kernels, registry, torch_ops
+from .formats import Int8Linear, PackedLinear
 from .limits import LIMITS
-from .weights import Int8Linear, PackedLinear
 
 KINDS = ("packed", "int8")  # the formats whose copies the kernel reads
 _ORDER = ("qkv", "attn_out", "cross_q", "cross_out", "mlp_in", "mlp_out")

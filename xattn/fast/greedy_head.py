@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .formats import PackedLinear
 from .limits import LIMITS
-from .weights import PackedLinear
 
 
 class GreedyHead:

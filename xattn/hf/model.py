@@ -61,7 +61,7 @@ class XattnModel:
 
     def with_weights(self, weights: str, encoder_weights: str | None = None) -> XattnModel:
         """The same model with the decoder's projections in another format ("exact", "packed", "bf16",
-        "int8"; see xattn.fast.weights). The encoder is shared, unless encoder_weights names a format: then its
+        "int8"; see xattn.fast.formats). The encoder is shared, unless encoder_weights names a format: then its
         linear layers and the decoder's cross-attention K/V projection are copied into that format (a batch's
         encoder pass is bound by compute, and int8 products are faster). A ViT encoder in "packed" or "int8" then
         runs through xattn's kernel (xattn.fast.vit); other encoders keep their modules, with converted linears."""
@@ -301,7 +301,7 @@ def _check_tensor(name: str, tensor, decoder: GPT2CrossAttentionDecoder, ndim: i
 def from_hf(model: nn.Module, lm_head: nn.Module | None = None, weights: str = "exact") -> XattnModel:
     """Wrap a transformers VisionEncoderDecoderModel, SpeechEncoderDecoderModel, GPT2LMHeadModel or
     GPT2Model (+ lm_head). With weights="exact" no weight is copied; "packed", "bf16" and "int8" copy the
-    decoder's projections into that format (see xattn.fast.weights)."""
+    decoder's projections into that format (see xattn.fast.formats)."""
     model.eval()
     generation_config = getattr(model, "generation_config", None)
     config = getattr(model, "config", None)
