@@ -87,7 +87,7 @@ print(kernels.available())
 
 
 def test_a_fresh_cache_directory_gets_a_new_build(tmp_path):
-    code = "from xattn import kernels; print(kernels.available(), kernels._build())"
+    code = "from xattn.fast import kernels; print(kernels.available(), kernels._build())"
     env = dict(os.environ, XATTN_CACHE=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     ok, path = done.stdout.split()
@@ -123,7 +123,7 @@ def _runs(tmp_path) -> int:
 
 
 def test_two_processes_building_at_once_build_once(probe_build):
-    code = ("import sys; from xattn import kernels; kernels._SOURCES, kernels._HEADERS = [sys.argv[1]], []; "
+    code = ("import sys; from xattn.fast import kernels; kernels._SOURCES, kernels._HEADERS = [sys.argv[1]], []; "
             "print(kernels._build())")
     env = dict(os.environ, GXX_DELAY="4")  # the first holds the lock long enough for the second to wait on it
     processes = [subprocess.Popen([sys.executable, "-c", code, str(probe_build / "probe.cpp")], env=env,
