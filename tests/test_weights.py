@@ -125,3 +125,21 @@ def test_shipped_captioner_int8_and_bf16_captions_equal_fp32_on_held_out_scenes(
     one_by_one = weight_format_agreement(Captioner(), [draw(s) for s in first], [s.caption for s in first],
                                          ["packed", "int8"], batch_size=1)
     assert one_by_one["packed"]["equal_to_fp32"] == 1.0 and one_by_one["int8"]["equal_to_fp32"] >= 0.98
+
+
+def test_torchs_private_operators_are_used_on_the_tested_torch_and_fall_back_elsewhere(monkeypatch):
+    from xattn.fast import torch_ops
+    from xattn.fast.formats import Int8Linear, PackedLinear
+
+    assert torch_ops.onednn_available() and torch_ops.fbgemm_available()  # no silent fallback on CI's torch
+    generator = torch.Generator().manual_seed(3)
+    weight, bias, x = (torch.randn(40, 32, generator=generator), torch.randn(40, generator=generator),
+                       torch.randn(70, 32, generator=generator))  # 70 rows: past xattn's kernels, the libraries'
+    fast = [PackedLinear(weight, bias).forward(x), Int8Linear(weight, bias).forward(x)]
+    monkeypatch.setattr(torch_ops, "onednn_available", lambda: False)
+    monkeypatch.setattr(torch_ops, "fbgemm_available", lambda: False)
+    fallback = [PackedLinear(weight, bias).forward(x), Int8Linear(weight, bias).forward(x)]
+    assert torch.allclose(fast[0], fallback[0], atol=1e-5)  # the same fp32 product
+    reference = torch.nn.functional.linear(x, weight, bias)
+    for out in (fast[1], fallback[1]):  # int8 weights either way; fbgemm also rounds the activations to 7 bits
+        assert (out - reference).abs().max() < 0.05 * reference.abs().max()

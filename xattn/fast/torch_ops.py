@@ -17,7 +17,7 @@ TESTED_TORCH = "2.13"
 @functools.cache
 def onednn_available() -> bool:
     def probe():
-        weight, x = torch.randn(24, 16), torch.randn(3, 16)
+        weight, x = _probe_inputs()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return torch.allclose(out, F.linear(x, weight), atol=1e-4)
@@ -28,13 +28,19 @@ def onednn_available() -> bool:
 @functools.cache
 def fbgemm_available() -> bool:
     def probe():
-        weight, x = torch.randn(24, 16), torch.randn(3, 16)
+        weight, x = _probe_inputs()
         quantized = _quantize(weight)
         packed = torch.ops.quantized.linear_prepack(quantized, None)
         out = torch.ops.quantized.linear_dynamic(x, packed, True)
-        return torch.allclose(out, F.linear(x, quantized.dequantize()), atol=0.1)
+        expected = F.linear(x, quantized.dequantize())  # off by the activations' 7-bit rounding only
+        return bool((out - expected).abs().max() <= 0.05 * expected.abs().max())
 
     return _probe("fbgemm's dynamic int8 linear (torch.ops.quantized)", probe)
+
+
+def _probe_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(24, 16, generator=generator), torch.randn(3, 16, generator=generator)
 
 
 def _probe(name: str, probe) -> bool:
