@@ -229,17 +229,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _one_line(error: BaseException) -> str:
-    """An error as one line; OSErrors name their file."""
-    if isinstance(error, OSError) and error.filename:
-        return f"{error.filename}: {error.strerror or error}"
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else ""
-    if isinstance(error, ValueError) and first:
-        return first
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
-
-
 def _bench_parser(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="decode speed side by side with transformers and CTranslate2 "
                                 "(ViT-B/16 + GPT-2 small)")
@@ -322,6 +311,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .jobs import one_line
+
     try:
         args = parser().parse_args(argv)
     except SystemExit as done:  # --help, or a usage error already printed in one line
@@ -335,12 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, MemoryError) as error:
         if args.debug:
             raise
-        print(f"xattn {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        print(f"xattn {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
     except Exception as error:  # safetensors' SafetensorError and the like: still one line
         if args.debug or type(error).__module__.split(".")[0] not in ("safetensors", "tokenizers", "PIL"):
             raise
-        print(f"xattn {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        print(f"xattn {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
 
 

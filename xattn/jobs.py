@@ -178,9 +178,17 @@ def _batch_results(chunk: list[str], load, process) -> list[dict]:
 
 
 def _error_record(path: str, error: Exception) -> dict:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if not isinstance(error, ValueError) or not text:
-        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    if not text.startswith(path):
-        text = f"{path}: {text}"
-    return {"file": path, "error": text}
+    text = one_line(error)
+    return {"file": path, "error": text if text.startswith(path) else f"{path}: {text}"}
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: a ValueError's own message (xattn's are written for people), an OSError naming its
+    file, anything else led by its type."""
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.filename}: {error.strerror or error}"
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(error, ValueError) and first:
+        return first
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
