@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 
@@ -33,13 +34,23 @@ def check_output(path: str, option: str, extensions: tuple[str, ...] | None = No
 
 def cannot_write(option: str, path: str, error: Exception) -> ValueError:
     """A one-line error for a failed write; libraries that hide errno (libsndfile) are checked against the disk."""
-    folder = os.path.dirname(os.path.abspath(path))
     full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    with contextlib.suppress(OSError):
-        free = os.statvfs(folder)
-        full = full or free.f_bavail * free.f_frsize < 64 * 1024
+    full = full or disk_nearly_full(path, 64 << 10)
     reason = "the disk is full" if full else (getattr(error, "strerror", None) or str(error).strip().splitlines()[0])
     return ValueError(f"{option} {path}: cannot write ({reason})")
+
+
+def disk_nearly_full(path: str, below: int) -> bool:
+    """Whether the disk that holds `path` (or its nearest existing folder) has fewer than `below` bytes free: how a
+    failed write is recognised as a full disk when the library that wrote hid the errno (libsndfile, safetensors,
+    torch.save)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        return shutil.disk_usage(folder).free < below
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

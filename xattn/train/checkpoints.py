@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from ..files import disk_nearly_full, replaced_atomically
+
 STATE_FILE = "trainer_state.pt"  # optimizer, step, RNG, history: tensors and plain data (weights_only load)
 WEIGHTS_FILE = "weights.safetensors"
 LATEST = "latest"  # a file naming the newest complete checkpoint directory
@@ -31,8 +33,6 @@ def save_checkpoint(model, optimizer, step: int, history: dict, config) -> None:
 
     A kill at any moment leaves `latest` naming a complete checkpoint; a full disk is a one-line ValueError
     that leaves the earlier checkpoints as they were."""
-    from ..files import replaced_atomically
-
     name = f"checkpoint-{step}"
     final = os.path.join(config.output_dir, name)
     tmp = final + ".tmp"
@@ -178,18 +178,11 @@ def writing(path: str, what: str, advice: str, cleanup: str | None = None) -> It
         if not isinstance(error, (OSError, RuntimeError)) and type(error).__name__ != "SafetensorError":
             raise
         reason = error_line(error)
-        if not isinstance(error, OSError) and _nearly_full(path):
+        if not isinstance(error, OSError) and disk_nearly_full(path, 1 << 20):
             reason = "No space left on device"
         if cleanup:
             shutil.rmtree(cleanup, ignore_errors=True)
         raise ValueError(f"{path}: cannot {what} ({reason}); {advice}") from None
-
-
-def _nearly_full(path: str) -> bool:
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
-    return shutil.disk_usage(folder).free < 1 << 20
 
 
 def replace_directory(tmp: str, final: str) -> None:
