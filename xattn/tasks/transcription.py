@@ -3,6 +3,7 @@ Transcriber (any SpeechEncoderDecoder checkpoint, decoding through the xattn eng
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -130,7 +131,6 @@ class Transcriber:
         if not math.isfinite(max_seconds) or max_seconds <= 0:
             raise ValueError(f"max_seconds must be a positive number, got {max_seconds}")
         self.max_seconds = max_seconds
-        self.min_samples = shortest_input(self.engine, self.feature_extractor)
         if compile:
             self.engine.compile()
 
@@ -138,11 +138,16 @@ class Transcriber:
         """The file as the model hears it; ValueError if it is longer than max_seconds (checked from the header
         where the format allows) or shorter than the model's first encoder frame."""
         waveform = load_audio(path, self.sampling_rate, max_seconds=self.max_seconds)
-        if len(waveform) < self.min_samples:
+        if len(waveform) < self.sampling_rate and len(waveform) < self.min_samples:  # a second is always enough
             rate = self.sampling_rate
             raise ValueError(f"{path}: {len(waveform) / rate * 1000:.1f} ms of audio, too short for this model "
                              f"(at least {self.min_samples / rate * 1000:.1f} ms)")
         return waveform
+
+    @functools.cached_property
+    def min_samples(self) -> int:
+        """The shortest audio this model takes; found on the first clip under a second, not at start-up."""
+        return shortest_input(self.engine, self.feature_extractor)
 
     @torch.no_grad()
     def transcribe(self, waveforms: list[np.ndarray], **generate_kwargs) -> list[str]:
