@@ -91,11 +91,12 @@ class JobOutput:
 
     def write(self, records: list[dict]) -> None:
         """Append records as JSON lines in one write (a kill leaves whole lines or a cut last line)."""
-        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        text = "".join(json.dumps(r) + "\n" for r in records)
         if self._fd is None:
-            sys.stdout.write(data.decode())
+            sys.stdout.write(text)
             sys.stdout.flush()
             return
+        data = text.encode()
         try:
             while data:
                 data = data[os.write(self._fd, data):]

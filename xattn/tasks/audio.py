@@ -6,8 +6,10 @@ polyphase filter, features are the checkpoint's transformers feature extractor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -21,29 +23,34 @@ def load_audio(path: str, sampling_rate: int = 16_000, max_seconds: float | None
 
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file")
-    try:
-        if max_seconds is not None:
+    if max_seconds is not None:
+        with _readable(path):
             info = soundfile.info(path)
-            if info.samplerate > 0 and info.frames / info.samplerate > max_seconds:
-                raise ValueError(_too_long(path, info.frames / info.samplerate, max_seconds))
+        if info.samplerate > 0:
+            _refuse_longer(path, info.frames / info.samplerate, max_seconds)
+    with _readable(path):
         samples, rate = soundfile.read(path, dtype="float32", always_2d=True)  # [frames, channels]
-    except ValueError as error:
-        if str(error).startswith(path):
-            raise
-        raise ValueError(f"{path}: not a readable audio file (ValueError: {error})") from None
-    except Exception as error:  # soundfile raises LibsndfileError, RuntimeError, TypeError... for bad files
-        raise ValueError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from None
-    if max_seconds is not None and len(samples) / rate > max_seconds:  # formats whose header had no length
-        raise ValueError(_too_long(path, len(samples) / rate, max_seconds))
+    if max_seconds is not None:  # formats whose header had no length
+        _refuse_longer(path, len(samples) / rate, max_seconds)
     try:
         return to_mono(samples, rate, sampling_rate)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
 
 
-def _too_long(path: str, seconds: float, max_seconds: float) -> str:
-    return (f"{path}: {seconds:.1f} s of audio; this model transcribes at most {max_seconds:g} s (split it, or raise "
-            "--max-seconds)")
+@contextlib.contextmanager
+def _readable(path: str) -> Iterator[None]:
+    """soundfile's errors for a bad file (LibsndfileError, RuntimeError, TypeError, ValueError...) as one line."""
+    try:
+        yield
+    except Exception as error:
+        raise ValueError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from None
+
+
+def _refuse_longer(path: str, seconds: float, max_seconds: float) -> None:
+    if seconds > max_seconds:
+        raise ValueError(f"{path}: {seconds:.1f} s of audio; this model transcribes at most {max_seconds:g} s (split "
+                         "it, or raise --max-seconds)")
 
 
 def to_mono(samples: np.ndarray, rate: int, sampling_rate: int = 16_000) -> np.ndarray:
