@@ -16,7 +16,6 @@ from xattn.files import save_json
 
 def main():
     from xattn.datasets.digits import read_split
-    from xattn.tasks.audio import input_features
     from xattn.tasks.transcription import Transcriber, transcription_scores
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,7 +35,7 @@ def main():
         waveforms = [transcriber.load(r["path"]) for r in rows[begin : begin + args.batch_size]]
         texts = transcriber.transcribe(waveforms)
         with torch.no_grad():
-            theirs = hf.generate(**input_features(transcriber.feature_extractor, waveforms))
+            theirs = hf.generate(**transcriber.features(waveforms))
         same += sum(a == b.strip() for a, b in zip(texts, transcriber.tokenizer.batch_decode(
             theirs, skip_special_tokens=True)))
         guesses += texts

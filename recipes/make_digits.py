@@ -12,6 +12,7 @@ import os
 
 from xattn.datasets.digits import HELD_OUT_VARIANTS, TRAIN_VARIANTS, utterance_for, write_split
 from xattn.datasets.tokenizer import train_caption_tokenizer
+from xattn.hf.portable import save_tokenizer
 
 SPLITS = {"train": (11, TRAIN_VARIANTS), "validation": (12, HELD_OUT_VARIANTS), "test": (13, HELD_OUT_VARIANTS)}
 
@@ -29,7 +30,7 @@ def main():
     seed, variants = SPLITS["train"]
     texts = (utterance_for(seed, i, variants).text for i in range(args.train))
     tokenizer = train_caption_tokenizer(texts, vocab_size=300)
-    tokenizer.save_pretrained(os.path.join(args.out, "tokenizer"))
+    save_tokenizer(tokenizer, os.path.join(args.out, "tokenizer"))
     print(f"wrote {args.out}: {len(tokenizer)} tokens in the tokenizer")
 
 

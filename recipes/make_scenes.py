@@ -10,6 +10,7 @@ import os
 
 from xattn.datasets.scenes import scene_for, write_imagefolder
 from xattn.datasets.tokenizer import train_caption_tokenizer
+from xattn.hf.portable import save_tokenizer
 
 SPLITS = {"train": 1, "validation": 2, "test": 3}  # split -> seed; a seed is never shared between splits
 
@@ -25,7 +26,7 @@ def main():
         write_imagefolder(os.path.join(args.out, split), getattr(args, split), seed)
     captions = (scene_for(SPLITS["train"], i).caption for i in range(args.train))
     tokenizer = train_caption_tokenizer(captions, vocab_size=360)
-    tokenizer.save_pretrained(os.path.join(args.out, "tokenizer"))
+    save_tokenizer(tokenizer, os.path.join(args.out, "tokenizer"))
     print(f"wrote {args.out}: {len(tokenizer)} tokens in the tokenizer")
 
 

@@ -1,6 +1,8 @@
 """Tiny random models (hidden 32, 2 layers) keep the suite fast; one ViT-B/16 + GPT-2-small test proves the
 real shape. Every model is built from a seed, so a failure reproduces."""
 
+import shutil
+
 import pytest
 import torch
 from transformers import (
@@ -106,6 +108,14 @@ def with_eos(model, eos: int):
     if hasattr(model.config, "decoder"):
         model.config.decoder.eos_token_id = eos
     return model
+
+
+@pytest.fixture(scope="session")
+def espeak_ng():
+    """Speech data is synthesized with espeak-ng (a system package): without it those tests skip, saying how to
+    install it (.ci/run does)."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed: apt-get install espeak-ng (Debian/Ubuntu; .ci/run installs it)")
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,9 @@ import sys
 
 import soundfile
 import torch
-from transformers import AutoFeatureExtractor, AutoTokenizer, SpeechEncoderDecoderModel
+from transformers import AutoTokenizer, SpeechEncoderDecoderModel
 
 from xattn.cli import main
-from xattn.tasks.audio import input_features
 from xattn.tasks.transcription import DEFAULT_MODEL, Transcriber
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,10 +36,9 @@ def test_xattn_matches_transformers_and_batches_equal_one_by_one():
     assert len({len(w) for w in waveforms}) == len(waveforms)  # all lengths differ: padding is exercised
     model = SpeechEncoderDecoderModel.from_pretrained(DEFAULT_MODEL, use_safetensors=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    features = AutoFeatureExtractor.from_pretrained(DEFAULT_MODEL)
     for kwargs in ({}, {"num_beams": 3}):
         with torch.no_grad():
-            expected = model.generate(**input_features(features, waveforms), **kwargs)
+            expected = model.generate(**transcriber.features(waveforms), **kwargs)
         batched = transcriber.transcribe(waveforms, **kwargs)
         assert batched == [t.strip() for t in tokenizer.batch_decode(expected, skip_special_tokens=True)]
         assert batched == [transcriber.transcribe([w], **kwargs)[0] for w in waveforms]

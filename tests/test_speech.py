@@ -77,7 +77,7 @@ def test_digit_utterances_are_reproducible_and_split_by_variant():
 
 
 @pytest.fixture(scope="module")
-def spoken(tmp_path_factory):
+def spoken(tmp_path_factory, espeak_ng):
     """Six utterances synthesized by espeak-ng (held-out variants), written like the real data set."""
     directory = str(tmp_path_factory.mktemp("digits") / "test")
     write_split(directory, 6, lambda i: utterance_for(99, i, HELD_OUT_VARIANTS), progress=False)
@@ -141,7 +141,7 @@ def test_transcriber_matches_transformers_and_batch_equals_one_by_one(recognizer
     assert batched == [transcriber.transcribe([w])[0] for w in waveforms]
     model = SpeechEncoderDecoderModel.from_pretrained(recognizer_checkpoint).eval()
     with torch.no_grad():
-        expected = model.generate(**input_features(transcriber.feature_extractor, waveforms))
+        expected = model.generate(**transcriber.features(waveforms))
     assert batched == [t.strip() for t in transcriber.tokenizer.batch_decode(expected, skip_special_tokens=True)]
 
 

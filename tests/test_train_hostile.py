@@ -46,7 +46,7 @@ def _write_speech(directory, count, utterance):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(tmp_path_factory, espeak_ng):
     """Tiny data folders as recipes/make_scenes.py, make_digits.py and make_tts_data.py write them."""
     from xattn.datasets.digits import DIGITS, TRAIN_VARIANTS, tts_utterance_for, utterance_for
     from xattn.datasets.scenes import scene_for

@@ -93,6 +93,6 @@ def test_speak_command_writes_a_wav_and_refuses_bad_text(tiny_speaker, tmp_path,
     assert main(["speak", "hi", "--model", tiny_speaker, "-o", out, "--voice", "three"]) == 2
     assert "unknown voice" in capsys.readouterr().err
     assert main(["speak", "hi", "--model", str(tmp_path / "missing"), "-o", out]) == 2
-    assert "no such TTS checkpoint directory" in capsys.readouterr().err
+    assert "no such checkpoint directory" in capsys.readouterr().err
     assert main(["speak", "hi", "--model", str(tmp_path), "-o", out]) == 2  # a folder, but no TTS in it
     assert "no codebook.npz" in capsys.readouterr().err

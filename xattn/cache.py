@@ -105,6 +105,18 @@ class CrossAttentionCache:
         self.cross_keys, self.cross_values = cross_keys, cross_values
         self.cross_mask = None if cross_mask is None else cross_mask.to(torch.bool)
 
+    def set_row_mask(self, row_mask: torch.Tensor) -> None:
+        """Give decoding row i the encoder mask row_mask[i] ([B, S]): rows that shared cross K/V keep sharing them
+        only where their masks agree as well."""
+        expected = (self.batch_size, self.cross_keys.shape[3])
+        if tuple(row_mask.shape) != expected:
+            raise ValueError(f"encoder_attention_mask has shape {tuple(row_mask.shape)}, expected {expected} "
+                             "(one row per cache row, one column per encoder position)")
+        rows = self.encoder_rows()
+        cross_keys, cross_values = self.cross_keys.index_select(1, rows), self.cross_values.index_select(1, rows)
+        self.enc_index = None
+        self._set_folded(cross_keys, cross_values, row_mask, dedupe=True)
+
     # ---- row selection (beams, dropping finished rows) ----------------------------------------------
     def reorder(self, row_index: torch.Tensor) -> None:
         """Beam reorder: row i takes the self-attention K/V of row row_index[i], in place.
@@ -203,14 +215,15 @@ class CrossAttentionCache:
         cross_mask: torch.Tensor | None = None,
         dedupe_cross: bool = True,
     ) -> CrossAttentionCache:
-        """Rebuild from a transformers EncoderDecoderCache (or a plain self-attention Cache)."""
+        """Rebuild from a transformers EncoderDecoderCache or a self-attention cache (Dynamic, Static, sliding
+        window). Each layer holds its get_seq_length() positions: a StaticCache's buffer is longer, zeros past them."""
         self_cache = getattr(cache, "self_attention_cache", cache)
         cross_cache = getattr(cache, "cross_attention_cache", None)
-        self_kv = [(layer.keys, layer.values) for layer in self_cache.layers]
-        cross_kv = None
-        if cross_cache is not None and len(cross_cache.layers) and cross_cache.get_seq_length() > 0:
-            cross_kv = [(layer.keys, layer.values) for layer in cross_cache.layers]
-        return cls._from_layers(self_kv, cross_kv, max_length, cross_mask, dedupe_cross)
+        self_kv = _held_positions(self_cache)
+        cross_kv = _held_positions(cross_cache) if cross_cache is not None else []
+        if not self_kv:
+            raise ValueError("the given cache is empty: pass a filled cache, or none")
+        return cls._from_layers(self_kv, cross_kv or None, max_length, cross_mask, dedupe_cross)
 
     # ---- helpers ----------------------------------------------------------------------------------------
     def _cross_per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,22 +247,49 @@ class CrossAttentionCache:
         if cross_kv is not None:
             ck = torch.stack([k for k, _ in cross_kv])  # [layers, B, H, S, D]
             cv = torch.stack([v for _, v in cross_kv])
-            group = _repeated_group(ck, cross_mask) if dedupe_cross else 1
-            # transformers keeps one cross K/V copy per beam; keep one per distinct input instead
-            ck, cv = ck[:, ::group].contiguous(), cv[:, ::group].contiguous()
-            if cross_mask is not None:
-                cross_mask = cross_mask[::group] if cross_mask.shape[0] == batch else cross_mask
-            cache.set_cross(ck, cv, cross_mask)
+            if cross_mask is not None and cross_mask.shape[0] != batch and batch % cross_mask.shape[0] == 0:
+                cross_mask = cross_mask.repeat_interleave(batch // cross_mask.shape[0], dim=0)  # one per row
+            cache._set_folded(ck, cv, cross_mask, dedupe_cross)
         return cache
 
+    def _set_folded(self, cross_keys, cross_values, row_mask, dedupe: bool) -> None:
+        """set_cross from per-row cross K/V [layers, B, H, S, D] and mask [B, S], keeping one copy per run of rows
+        whose K/V and mask are identical (transformers keeps one copy per beam)."""
+        group = _repeated_group(cross_keys, cross_values, row_mask) if dedupe else 1
+        row_mask = None if row_mask is None else row_mask[::group]
+        self.set_cross(cross_keys[:, ::group].contiguous(), cross_values[:, ::group].contiguous(), row_mask)
 
-def _repeated_group(cross_keys: torch.Tensor, cross_mask: torch.Tensor | None) -> int:
-    """Largest g such that consecutive runs of g rows hold identical cross K/V (the per-beam copies)."""
+
+def _held_positions(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) [B, H, length, D] of a transformers cache, length = its get_seq_length(); [] when
+    it holds nothing."""
+    lengths = [int(cache.get_seq_length(i)) for i in range(len(cache.layers))]
+    if not any(lengths):
+        return []
+    if len(set(lengths)) > 1:
+        raise ValueError(f"the given cache's layers hold different numbers of positions: {lengths}")
+    pairs = []
+    for layer, length in zip(cache.layers, lengths):
+        stored = 0 if layer.keys is None or layer.keys.dim() != 4 else layer.keys.shape[2]
+        if stored < length:
+            raise ValueError(f"the given {type(cache).__name__} holds {length} positions but keeps only {stored} "
+                             "of them (a sliding window or a quantized cache); pass a cache that keeps every "
+                             "position (DynamicCache, StaticCache)")
+        pairs.append((layer.keys[:, :, :length], layer.values[:, :, :length]))
+    return pairs
+
+
+def _repeated_group(cross_keys: torch.Tensor, cross_values: torch.Tensor, row_mask: torch.Tensor | None) -> int:
+    """Largest g such that consecutive runs of g rows hold identical cross K/V and masks (the per-beam copies)."""
     batch = cross_keys.shape[1]
     for group in range(batch, 1, -1):
         if batch % group:
             continue
-        blocks = cross_keys.unflatten(1, (batch // group, group))
-        if torch.equal(blocks, blocks[:, :, :1].expand_as(blocks)):
+        runs = [(cross_keys, 1), (cross_values, 1)] + ([] if row_mask is None else [(row_mask, 0)])
+        if all(_runs_repeat(tensor.unflatten(dim, (batch // group, group)), dim + 1) for tensor, dim in runs):
             return group
     return 1
+
+
+def _runs_repeat(blocks: torch.Tensor, dim: int) -> bool:
+    return torch.equal(blocks, blocks.narrow(dim, 0, 1).expand_as(blocks))

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from . import __version__
 from .argtypes import POSITIVE, SEED, THREADS, integer, number
 
 
@@ -95,12 +96,13 @@ def _caption(args) -> int:
     try:
         if args.seed is not None:
             torch.manual_seed(args.seed)
-        captioner = Captioner(args.model, compile=args.compile, allow_pickle=args.allow_pickle, weights=args.weights)
+        captioner = Captioner(args.model, compile=args.compile, allow_pickle=args.allow_pickle, weights=args.weights,
+                              revision=args.revision)
         if args.attention_map:
             print(captioner.attention_map(image, args.attention_map, **_generation_kwargs(args)))
             print(f"wrote {args.attention_map}", file=sys.stderr)
             return 0
-        return _run_files(args, files, output, captioner.load, captioner.caption_pixels, "caption")
+        return _run_files(args, files, output, captioner.load, captioner.caption_results)
     finally:
         if output is not None:
             output.close()
@@ -116,8 +118,9 @@ def _transcribe(args) -> int:
         if args.seed is not None:
             torch.manual_seed(args.seed)
         transcriber = Transcriber(args.model, max_seconds=args.max_seconds, compile=args.compile,
-                                  allow_pickle=args.allow_pickle, weights=args.weights)
-        return _run_files(args, files, output, transcriber.load, transcriber.transcribe, "text")
+                                  allow_pickle=args.allow_pickle, weights=args.weights, revision=args.revision,
+                                  pad_to_stride=args.pad_to_stride)
+        return _run_files(args, files, output, transcriber.load, transcriber.transcribe_results)
     finally:
         if output is not None:
             output.close()
@@ -138,7 +141,7 @@ def _speak(args) -> int:
     check_output(args.output, "-o", (".wav", ".flac", ".aiff", ".aif"))
     if args.spectrogram:
         check_output(args.spectrogram, "--spectrogram", (".png",))
-    speaker = Speaker(args.model)
+    speaker = Speaker(args.model, revision=args.revision)
     speaker.check_voice(args.voice)
     kwargs = _generation_kwargs(args)
     if args.seed is not None:
@@ -196,9 +199,10 @@ def _claim_job(args, files: list[str]):
     return files, JobOutput(args.output)
 
 
-def _run_files(args, files: list[str], output, load, infer, key: str) -> int:
+def _run_files(args, files: list[str], output, load, infer) -> int:
     """One file without --output: print its result. Otherwise a batched, resumable JSONL job with a progress
-    bar; infer(items, **generation kwargs) -> num_return_sequences strings per item."""
+    bar; infer(items, **generation kwargs) -> num_return_sequences result records per item (tasks/confidence).
+    A low-confidence result also gets one line on stderr."""
     from .jobs import run_batches
 
     kwargs = _generation_kwargs(args)
@@ -207,15 +211,23 @@ def _run_files(args, files: list[str], output, load, infer, key: str) -> int:
     def process(items):
         out = infer(items, **kwargs)
         if per_file == 1:
-            return [{key: text} for text in out]
-        return [{key + "s": out[i * per_file : (i + 1) * per_file]} for i in range(len(items))]
+            return out
+        names = [n for n in out[0] if n != "low_confidence_reason"] + ["low_confidence_reason"]
+        return [{n + "s": [r.get(n) for r in out[i * per_file: (i + 1) * per_file]] for n in names}
+                for i in range(len(items))]
+
+    def warn(record):
+        for reason in filter(None, record.get("low_confidence_reasons", [record.get("low_confidence_reason")])):
+            print(f"xattn {args.command}: low confidence: {record['file']}: {reason}", file=sys.stderr)
 
     if output is None:
         result = process([load(files[0])])[0]
-        print(result.get(key, result.get(key + "s")))
+        print(next(v for v in result.values()))
+        warn({"file": files[0], **result})
         return 0
     failed = run_batches(files, load, process, output, args.batch_size, progress=not args.quiet,
-                         desc={"caption": "captioning", "transcribe": "transcribing"}.get(args.command, args.command))
+                         desc={"caption": "captioning", "transcribe": "transcribing"}.get(args.command, args.command),
+                         on_record=warn)
     if failed:
         where = "see their 'error' lines" + (f" in {output.path}" if output.path else "")
         print(f"{failed} of {len(files)} files failed ({where})", file=sys.stderr)
@@ -254,7 +266,7 @@ def _job_parser(commands, name: str, run, inputs: str, inputs_help: str, what: s
 
     job = commands.add_parser(name, help=f"{name} {inputs} (files or folders) with a {what} model")
     job.add_argument(inputs, nargs="+", help=inputs_help)
-    job.add_argument("--model", help="checkpoint directory or hub id (default: the shipped model)")
+    _add_model_flags(job, "checkpoint directory or hub id (default: the shipped model)")
     job.add_argument("--output", "-o", help="JSON lines output (- for standard output); re-running resumes after "
                      "what is done")
     job.add_argument("--batch-size", type=POSITIVE, default=16, help="files per batch")
@@ -272,12 +284,18 @@ def _job_parser(commands, name: str, run, inputs: str, inputs_help: str, what: s
     return job
 
 
+def _add_model_flags(command, model_help: str) -> None:
+    command.add_argument("--model", help=model_help)
+    command.add_argument("--revision", help="with a hub id: the branch, tag or commit to load (as from_pretrained's "
+                         "revision; default: main)")
+
+
 def _speak_parser(commands) -> argparse.ArgumentParser:
     speak = commands.add_parser("speak", help="text to speech with the shipped TTS (or a TTS checkpoint)")
     speak.add_argument("text", help="what to say: letters a-z, spaces, apostrophes (digits as words)")
     speak.add_argument("--output", "-o", default="speech.wav", help="audio file to write (.wav, .flac, .aiff)")
     speak.add_argument("--voice", help="one of the model's voices (default: its first)")
-    speak.add_argument("--model", help="TTS checkpoint directory (default: the shipped one)")
+    _add_model_flags(speak, "TTS checkpoint directory or hub id (default: the shipped one)")
     speak.add_argument("--stream", action="store_true", help="write audio chunk by chunk while it is generated "
                        "and report the time to the first chunk")
     speak.add_argument("--spectrogram", metavar="PNG", help="also draw the output's mel spectrogram")
@@ -291,6 +309,7 @@ def parser() -> argparse.ArgumentParser:
     from .train import command as train_command
 
     top = _Parser(prog="xattn", description=__doc__)
+    top.add_argument("--version", action="version", version=f"xattn {__version__}")
     commands = top.add_subparsers(dest="command", required=True)
     subs = [_bench_parser(commands)]
     caption = _job_parser(commands, "caption", _caption, "images", "image files or folders of images",
@@ -300,6 +319,10 @@ def parser() -> argparse.ArgumentParser:
                              "any rate, mono or stereo) or folders of them", "SpeechEncoderDecoder")
     transcribe.add_argument("--max-seconds", type=number(0, low_open=True), default=20.0,
                             help="refuse longer audio (the shipped model heard at most ~4 s in training)")
+    transcribe.add_argument("--pad-to-stride", action="store_true",
+                            help="pad each clip to whole stacks of the feature extractor's frames, as the training "
+                            "batches do (SeamlessM4T / Wav2Vec2-BERT extractors), instead of transformers' own call "
+                            "(its ASR pipeline's), which drops the last frames that fill no stack")
     train = commands.add_parser("train", help="fine-tune or train a captioner, recognizer or speaker "
                                 "(= recipes/finetune.py)")
     train_command.add_arguments(train)

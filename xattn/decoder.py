@@ -198,8 +198,9 @@ class GPT2CrossAttentionDecoder(nn.Module):
         hidden = self._step_hidden(input_ids, cache)
         if self.greedy_head is not None and self.greedy_head.applies(hidden.shape[0]):
             return self.greedy_head(_layer_norm(hidden[:, 0], self.transformer.ln_f), forbidden)
-        logits = self.logits(hidden)[:, 0].float().index_fill(1, forbidden, float("-inf"))
-        return torch.argmax(logits, dim=-1)
+        logits = self.logits(hidden)[:, 0].float()
+        # scatter, not index_fill: compiles for a forbidden length left symbolic (xattn.hf's compile())
+        return torch.argmax(logits.scatter(1, forbidden.expand(logits.shape[0], -1), float("-inf")), dim=-1)
 
     def _step_hidden(self, input_ids: torch.Tensor, cache: CrossAttentionCache):
         """input_ids [B] at cache.position -> the last block's output [B, 1, D] (before ln_f); writes the step's K/V."""
@@ -300,9 +301,15 @@ def _shared_cross_attention(q, cross_k, cross_v, cross_mask, enc_index, scaling,
 def plain_attention(q, k, v, attn_mask=None, scale=None):
     """softmax(q k^T * scale) v with a boolean mask (True: may attend), as three products-and-softmax ops."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), v)
+    if attn_mask is None:
+        return torch.matmul(scores.softmax(dim=-1), v)
+    return torch.matmul(_masked_softmax(scores, ~attn_mask), v)
+
+
+def _masked_softmax(scores: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """softmax over the positions not blocked; a row with every position blocked (an all-padding input) gets zeros,
+    as torch's SDPA gives (and transformers 5), not NaN."""
+    return scores.masked_fill(blocked, float("-inf")).softmax(dim=-1).masked_fill(blocked, 0.0)
 
 
 def _tanh_gelu(block, x):
@@ -317,6 +324,6 @@ def _cross_probs(q, cross_k, enc_rows, cross_mask, scaling):
     """Explicit softmax(q k^T) over the encoder positions, (B, H, T, S); only for attention maps."""
     keys = cross_k.index_select(0, enc_rows)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
-    if cross_mask is not None:
-        scores = scores.masked_fill(~cross_mask.index_select(0, enc_rows)[:, None, None, :], float("-inf"))
-    return scores.softmax(dim=-1)
+    if cross_mask is None:
+        return scores.softmax(dim=-1)
+    return _masked_softmax(scores, ~cross_mask.index_select(0, enc_rows)[:, None, None, :])

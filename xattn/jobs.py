@@ -128,10 +128,12 @@ def run_batches(
     batch_size: int,
     progress: bool = True,
     desc: str = "files",
+    on_record: Callable[[dict], None] | None = None,
 ) -> int:
     """load(file) -> item (reading and preprocessing, one file at a time); process(items) -> one dict per item.
     A file that fails to load gets its "error" line; a batch that fails is retried one file at a time, so only
-    the bad file gets one. Returns the number of "error" lines in the whole output (earlier runs included)."""
+    the bad file gets one. on_record(record) sees each line written. Returns the number of "error" lines in the
+    whole output (earlier runs included)."""
     from tqdm import tqdm
 
     failures = output.errors_before
@@ -151,6 +153,9 @@ def run_batches(
             records = [results[i] for i in range(len(chunk))]  # input order, whatever failed
             failures += sum("error" in r for r in records)
             output.write(records)
+            if on_record is not None:
+                for record in records:
+                    on_record(record)
             bar.update(len(chunk))
     return failures
 

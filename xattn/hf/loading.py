@@ -2,15 +2,22 @@
 
 A checkpoint can ask transformers to import its own Python files (`auto_map` in config.json,
 tokenizer_config.json, preprocessor_config.json, ...). Every loader xattn calls goes through here: the JSON
-files of a local checkpoint are read first and a request for custom code is refused with one line naming the
-file, before transformers sees the folder; every transformers loader also gets trust_remote_code=False, so a
-hub checkpoint that asks for code is refused by transformers itself (never the interactive "[y/N]" prompt).
+files of a checkpoint are read first and a request for custom code is refused with one line naming the file,
+before transformers sees the folder (a hub id is resolved to its cache folder first, xattn.hf.hub, and checked
+the same way); every transformers loader also gets trust_remote_code=False (never the interactive "[y/N]"
+prompt). `load` = resolve + these checks + from_pretrained + from_hf.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .model import XattnModel
 
 # the files in which transformers looks for `auto_map` (custom classes) or a custom model_type
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json",
@@ -121,3 +128,45 @@ def _has_key(value, key: str) -> bool:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def load(path_or_id: str, *, revision: str | None = None, dtype: torch.dtype | None = None,
+         device: str | torch.device = "cpu", allow_pickle: bool = False, weights: str = "exact",
+         **from_pretrained_kwargs) -> XattnModel:
+    """from_pretrained + from_hf, from a local folder or a hub id (xattn.hf.hub: the Hugging Face cache, or the hub
+    unless HF_HUB_OFFLINE is set). Weights load from safetensors; pickle-based weights (pytorch_model.bin) only
+    with allow_pickle=True, and then through torch.load(weights_only=True). Never remote code: a checkpoint that
+    asks for its own code is refused (refuse_custom_code above)."""
+    from .hub import resolve_checkpoint
+    from .model import from_hf
+
+    if from_pretrained_kwargs.pop("trust_remote_code", False):
+        raise ValueError("trust_remote_code=True is not supported: xattn never runs code shipped with a checkpoint")
+    from_pretrained_kwargs["use_safetensors"] = not allow_pickle or None  # None: safetensors first, else .bin
+    path = resolve_checkpoint(path_or_id, revision, allow_pickle)
+    model_class = _model_class(load_config(path))
+    if dtype is not None:
+        from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
+    model = load_model(model_class, path, **from_pretrained_kwargs)
+    return from_hf(model.to(device), weights=weights)
+
+
+def _model_class(config):
+    import transformers
+
+    names = {
+        "vision-encoder-decoder": "VisionEncoderDecoderModel",
+        "speech-encoder-decoder": "SpeechEncoderDecoderModel",
+        "gpt2": "GPT2LMHeadModel",
+    }
+    if config.model_type not in names:
+        raise ValueError(
+            f"model_type {config.model_type!r} is not supported; xattn loads {sorted(names)} checkpoints"
+        )
+    return getattr(transformers, names[config.model_type])
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])

@@ -7,8 +7,8 @@ An `XattnModel` runs the model's own encoder (ViT, a speech encoder, or none whe
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from ..cache import CrossAttentionCache
 from ..decoder import GPT2CrossAttentionDecoder, advancing
 from ..generate import GenerationOptions, beam_search, sample_stream
+from .scores import average_logprobs
 
 _ENCODER_INPUTS = ("pixel_values", "input_features", "input_values")
 
@@ -48,14 +49,15 @@ class XattnModel:
     def compile(self, cache_bucket: int = 64, **compile_kwargs) -> XattnModel:
         """Compile the one-token decode step with torch.compile(fullgraph=True); prefill stays eager.
 
-        Cache lengths are rounded up to a multiple of cache_bucket so that runs of different lengths reuse
-        one compiled graph (the extra positions are masked out).
+        The first shape compiles as it is (B=1 stays a static graph); a size that then changes (rows, encoder rows
+        or positions, cache length) becomes symbolic in one more graph that every later size reuses (torch's
+        automatic dynamic shapes). Cache lengths are rounded up to a multiple of cache_bucket (the extra positions
+        are masked out). Where torch's recompile limit is reached all the same, the step runs eagerly, with a warning.
         """
         compile_kwargs.setdefault("fullgraph", True)
-        compile_kwargs.setdefault("dynamic", False)
-        self._decode_step = advancing(torch.compile(self.decoder.step_logits, **compile_kwargs))
+        self._decode_step = advancing(_compiled(self.decoder.step_logits, compile_kwargs))
         if self._greedy_step is not None:
-            self._greedy_step = advancing(torch.compile(self.decoder.step_greedy, **compile_kwargs))
+            self._greedy_step = advancing(_compiled(self.decoder.step_greedy, compile_kwargs, forbidden_last=True))
         self._cache_bucket = cache_bucket
         return self
 
@@ -89,26 +91,26 @@ class XattnModel:
         hidden = self.encoder(inputs, **kwargs)[0]
         if self.enc_to_dec_proj is not None:
             hidden = self.enc_to_dec_proj(hidden)
-        mask = None
-        if attention_mask is not None:
-            if hasattr(self.encoder, "_get_feature_vector_attention_mask"):
-                mask = self.encoder._get_feature_vector_attention_mask(hidden.shape[1], attention_mask)
-            elif attention_mask.shape[1] == hidden.shape[1]:
-                mask = attention_mask
-            else:
-                raise ValueError(
-                    f"attention_mask covers {attention_mask.shape[1]} input frames but the encoder output has "
-                    f"{hidden.shape[1]} positions and the encoder cannot map one to the other; pass "
-                    "encoder_hidden_states with an encoder_attention_mask instead"
-                )
-        return hidden, mask
+        return hidden, None if attention_mask is None else self._encoder_mask(attention_mask, hidden.shape[1])
+
+    def _encoder_mask(self, attention_mask: torch.Tensor, positions: int) -> torch.Tensor:
+        """attention_mask over the encoder's input frames -> [B, positions] over its output."""
+        if hasattr(self.encoder, "_get_feature_vector_attention_mask"):
+            return self.encoder._get_feature_vector_attention_mask(positions, attention_mask)
+        if attention_mask.shape[1] == positions:
+            return attention_mask
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[1]} input frames but the encoder output has {positions} "
+            "positions and the encoder cannot map one to the other; pass encoder_hidden_states with an "
+            "encoder_attention_mask instead"
+        )
 
     # ---- generation -------------------------------------------------------------------------------------------
     def generate(self, *args, return_dict_in_generate: bool = False, **kwargs):
         """Like transformers' generate: sequences [B * num_return_sequences, prompt + new], prompt included.
 
-        With return_dict_in_generate=True: a GenerateOutput with the sequences, the beam scores (beam search)
-        and the cache the run ended with.
+        With return_dict_in_generate=True: a GenerateOutput with the sequences, the beam scores (beam search),
+        each sequence's average token log-probability (xattn.hf.scores) and the cache the run ended with.
         """
         plan = self._plan(*args, **kwargs)
         scores = None
@@ -120,7 +122,10 @@ class XattnModel:
             generated = sum(1 for _ in steps)
             sequences = plan.sequences[:, : plan.prompt_length + generated]
         if return_dict_in_generate:
-            return GenerateOutput(sequences=sequences, sequences_scores=scores, cache=plan.cache)
+            avg_logprob = average_logprobs(self.decoder, plan.cache, sequences, plan.prompt_length,
+                                           list(plan.opts.eos_token_id))
+            return GenerateOutput(sequences=sequences, sequences_scores=scores, cache=plan.cache,
+                                  avg_logprob=avg_logprob)
         return sequences
 
     def stream(self, *args, **kwargs) -> Iterator[torch.Tensor]:
@@ -137,9 +142,12 @@ class XattnModel:
         """Check the inputs, run the encoder, fill the cache and prefill the prompt."""
         kwargs = dict(kwargs)
         prompt, encoder_inputs, cache_in = self._take_inputs(inputs, kwargs)
-        states, states_mask = self._encoder_states(encoder_inputs, kwargs, cache_in)
+        encoder = self._encoder_args(encoder_inputs, kwargs)
+        if hasattr(cache_in, "get_seq_length") and not int(cache_in.get_seq_length()):
+            cache_in = None  # an empty transformers cache (DynamicCache()): nothing to continue from
         if cache_in is not None and prompt is None:
             raise ValueError("with a cache, pass decoder_input_ids: the sequence so far plus at least one new token")
+        states, states_mask = self._encoder_states(encoder) if cache_in is None else (None, None)
         batch = states.shape[0] if states is not None else prompt.shape[0] if prompt is not None else 1
         prompt = self._prompt(prompt, batch, kwargs)
         if prompt.shape[0] != batch:
@@ -148,13 +156,21 @@ class XattnModel:
         opts = GenerationOptions.from_kwargs(self.generation_config, prompt.shape[1], **kwargs)
         prompt_length = prompt.shape[1]
         max_length = prompt_length + opts.max_new_tokens
-        if self.decoder.embed_fn is None and max_length > self.decoder.max_positions:
+        positions = max_length - 1  # the last token is never fed back: it needs no position
+        if self.decoder.embed_fn is None and positions > self.decoder.max_positions:
             raise ValueError(
                 f"prompt ({prompt_length}) + max_new_tokens ({opts.max_new_tokens}) = {max_length} exceeds the "
-                f"decoder's n_positions ({self.decoder.max_positions}); lower max_new_tokens to at most "
-                f"{self.decoder.max_positions - prompt_length}"
+                f"decoder's n_positions ({self.decoder.max_positions}) + 1; lower max_new_tokens to at most "
+                f"{self.decoder.max_positions + 1 - prompt_length}"
             )
-        cache, logits = self._prefilled(cache_in, prompt, max_length, states, states_mask)
+        if cache_in is not None:
+            cache = self._given_cache(cache_in, prompt, positions, encoder)
+            logits = self.decoder.prefill(cache, input_ids=prompt[:, cache.length:])
+        else:
+            bucket = self._cache_bucket  # rounded up: fewer shapes for a compiled step (the extra positions are masked)
+            cache_length = min(-(-positions // bucket) * bucket, max(self.decoder.max_positions, positions))
+            cache = self.decoder.new_cache(batch, cache_length, states, states_mask)
+            logits = self.decoder.prefill(cache, input_ids=prompt)
         group = opts.group_size
         if group > 1:  # beams / candidates share the prefill: copy its K/V, never the cross K/V
             cache = cache.expand(group)
@@ -164,38 +180,49 @@ class XattnModel:
         sequences[:, :prompt_length] = prompt
         return _Plan(opts, cache, prompt, sequences, prompt_length, logits)
 
-    def _encoder_states(self, encoder_inputs: dict, kwargs: dict, cache_in) -> tuple:
-        """(encoder_hidden_states, encoder_attention_mask) from the encoder inputs or as given; (None, None) when
-        a given cache already holds what the decoder attends to."""
-        attention_mask = kwargs.pop("attention_mask", None)
-        states = kwargs.pop("encoder_hidden_states", None)
-        states_mask = kwargs.pop("encoder_attention_mask", None)
-        if len(encoder_inputs) + (states is not None) > 1:
-            given = sorted(encoder_inputs) + (["encoder_hidden_states"] if states is not None else [])
+    def _encoder_args(self, encoder_inputs: dict, kwargs: dict) -> _EncoderArgs:
+        """Pop and check what the call gives for the encoder side; nothing runs yet."""
+        args = _EncoderArgs(encoder_inputs, kwargs.pop("attention_mask", None),
+                            kwargs.pop("encoder_hidden_states", None), kwargs.pop("encoder_attention_mask", None))
+        if len(encoder_inputs) + (args.states is not None) > 1:
+            given = sorted(encoder_inputs) + (["encoder_hidden_states"] if args.states is not None else [])
             raise ValueError(f"pass one encoder input, got {given}")
-        if encoder_inputs:
-            return self.encode(attention_mask, **encoder_inputs)
-        if states is not None:
-            self._check_encoder_states(states, states_mask)
-        elif self.is_encoder_decoder and cache_in is None:
-            raise ValueError(f"pass {self._main_input_name()} (or encoder_hidden_states) to generate from")
-        return states, states_mask
+        if args.states is not None:
+            self._check_encoder_states(args.states, args.states_mask)
+        return args
 
-    def _prefilled(self, cache_in, prompt, max_length: int, states, states_mask) -> tuple:
-        """(the cache, the prompt's last logits [B, V]): a given cache extended by the prompt's new tokens, or a
-        new one (its length rounded up to the compile bucket) with the whole prompt."""
-        batch, prompt_length = prompt.shape
-        if cache_in is not None:
-            cache = _adopt_cache(cache_in, max_length)
-            if cache.batch_size != batch:
-                raise ValueError(f"the given cache holds {cache.batch_size} rows but the prompt has {batch}")
-            if prompt_length <= cache.length:
-                raise ValueError("the prompt must extend past the cached positions by at least one token")
-            return cache, self.decoder.prefill(cache, input_ids=prompt[:, cache.length:])
-        bucket = self._cache_bucket
-        cache_length = min(-(-max_length // bucket) * bucket, max(self.decoder.max_positions, max_length))
-        cache = self.decoder.new_cache(batch, cache_length, states, states_mask)
-        return cache, self.decoder.prefill(cache, input_ids=prompt)
+    def _encoder_states(self, args: _EncoderArgs) -> tuple:
+        """(encoder_hidden_states, encoder_attention_mask): the encoder's output, or as given."""
+        if args.inputs:
+            return self.encode(args.attention_mask, **args.inputs)
+        if args.states is None and self.is_encoder_decoder:
+            raise ValueError(f"pass {self._main_input_name()} (or encoder_hidden_states) to generate from")
+        return args.states, args.states_mask
+
+    def _given_cache(self, cache_in, prompt: torch.Tensor, positions: int, args: _EncoderArgs) -> CrossAttentionCache:
+        """The given cache as an xattn cache with room for `positions`, its cross K/V computed from the encoder
+        inputs where it has none, and the encoder mask given with it applied (the encoder runs only when needed)."""
+        cache = _adopt_cache(cache_in, positions)
+        batch = prompt.shape[0]
+        if cache.batch_size != batch:
+            raise ValueError(f"the given cache holds {cache.batch_size} rows but the prompt has {batch}")
+        if prompt.shape[1] <= cache.length:
+            raise ValueError("the prompt must extend past the cached positions by at least one token")
+        if cache.has_cross:
+            mask = args.states_mask
+            if mask is None and args.attention_mask is not None and self.is_encoder_decoder:
+                mask = self._encoder_mask(args.attention_mask, cache.cross_keys.shape[3])
+            if mask is not None:
+                cache.set_row_mask(mask)
+        elif args.inputs or args.states is not None:
+            states, mask = self._encoder_states(args)
+            if states.shape[0] != batch:
+                raise ValueError(f"batch sizes differ: {states.shape[0]} encoder rows but {batch} cache rows")
+            cache.set_cross(*self.decoder.cross_key_values(states), mask)
+        elif self.is_encoder_decoder:
+            raise ValueError(f"the given cache holds no cross-attention K/V: pass {self._main_input_name()} (or "
+                             "encoder_hidden_states) with it, to compute them from")
+        return cache
 
     def _take_inputs(self, inputs, kwargs) -> tuple[torch.Tensor | None, dict, object]:
         """Pop (prompt, encoder inputs, given cache) from transformers-style arguments."""
@@ -210,6 +237,8 @@ class XattnModel:
                 prompt = inputs
         kwargs.pop("use_cache", None)
         decoder_mask = kwargs.pop("decoder_attention_mask", None)
+        if not self.is_encoder_decoder and decoder_mask is None:  # a GPT-2 alone: attention_mask is the prompt's
+            decoder_mask = kwargs.pop("attention_mask", None)
         if decoder_mask is not None and not bool(decoder_mask.all()):
             raise ValueError("padded decoder prompts are not supported: give every row the same prompt length")
         # transformers renamed past_key_values to cache (5.24); accept both
@@ -255,6 +284,17 @@ class GenerateOutput:
     sequences: torch.Tensor  # [B * num_return_sequences, prompt + new]
     sequences_scores: torch.Tensor | None  # beam search: length-normalised log-probability of each sequence
     cache: CrossAttentionCache  # the cache as generation left it (beam search: the running beams)
+    avg_logprob: torch.Tensor  # [B * num_return_sequences] mean log-probability of the generated tokens (to EOS)
+
+
+@dataclass
+class _EncoderArgs:
+    """What a generate() call gives for the encoder side."""
+
+    inputs: dict  # {pixel_values | input_features | input_values: tensor}, or empty
+    attention_mask: torch.Tensor | None  # over the encoder inputs' frames
+    states: torch.Tensor | None  # encoder_hidden_states [B, S, D], given instead of inputs
+    states_mask: torch.Tensor | None  # encoder_attention_mask [B, S]
 
 
 @dataclass
@@ -267,6 +307,26 @@ class _Plan:
     sequences: torch.Tensor  # [B * group, P + max_new_tokens]: the prompt, then pad until tokens are written
     prompt_length: int  # P
     logits: torch.Tensor  # [B * group, V]: the prompt's last position
+
+
+def _compiled(step: Callable, compile_kwargs: dict, forbidden_last: bool = False) -> Callable:
+    """torch.compile(step), run eagerly instead of failing where torch's recompile limit is reached.
+
+    forbidden_last: the last argument is a greedy step's forbidden ids (none, or the EOS ids while min_new_tokens
+    holds); its length is left unbacked, so that every length, 0 included, runs the same graph."""
+    compiled = torch.compile(step, **compile_kwargs)
+
+    def run(*args):
+        if forbidden_last:
+            torch._dynamo.decorators.mark_unbacked(args[-1], 0)
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            warnings.warn("torch.compile reached its recompile limit for xattn's decode step; this shape runs eagerly "
+                          "(torch._dynamo.config.recompile_limit raises the limit)", stacklevel=2)
+            return step(*args)
+
+    return run
 
 
 def _adopt_cache(cache_in, max_length: int) -> CrossAttentionCache:
@@ -335,44 +395,3 @@ def _gpt2_parts(model: nn.Module, lm_head: nn.Module | None):
         f"{type(model).__name__} is not a GPT-2 decoder; xattn runs GPT2LMHeadModel / GPT2Model decoders "
         "(alone or inside VisionEncoderDecoderModel / SpeechEncoderDecoderModel)"
     )
-
-
-def load(path_or_id: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-         allow_pickle: bool = False, weights: str = "exact", **from_pretrained_kwargs) -> XattnModel:
-    """from_pretrained + from_hf. Weights load from safetensors; pickle-based weights (pytorch_model.bin) only
-    with allow_pickle=True, and then through torch.load(weights_only=True). Never remote code: a checkpoint that
-    asks for its own code is refused (xattn.hf)."""
-    from .loading import load_config, load_model
-
-    if from_pretrained_kwargs.pop("trust_remote_code", False):
-        raise ValueError("trust_remote_code=True is not supported: xattn never runs code shipped with a checkpoint")
-    from_pretrained_kwargs["use_safetensors"] = not allow_pickle or None  # None: safetensors first, else .bin
-    looks_local = os.path.sep in path_or_id or path_or_id.startswith(".") or os.path.exists(path_or_id)
-    if looks_local and not os.path.isdir(path_or_id):
-        raise ValueError(f"{path_or_id}: no such checkpoint directory")
-    model_class = _model_class(load_config(path_or_id))
-    if dtype is not None:
-        from_pretrained_kwargs["dtype" if _transformers_major() >= 5 else "torch_dtype"] = dtype
-    model = load_model(model_class, path_or_id, **from_pretrained_kwargs)
-    return from_hf(model.to(device), weights=weights)
-
-
-def _model_class(config):
-    import transformers
-
-    names = {
-        "vision-encoder-decoder": "VisionEncoderDecoderModel",
-        "speech-encoder-decoder": "SpeechEncoderDecoderModel",
-        "gpt2": "GPT2LMHeadModel",
-    }
-    if config.model_type not in names:
-        raise ValueError(
-            f"model_type {config.model_type!r} is not supported; xattn loads {sorted(names)} checkpoints"
-        )
-    return getattr(transformers, names[config.model_type])
-
-
-def _transformers_major() -> int:
-    import transformers
-
-    return int(transformers.__version__.split(".")[0])

@@ -8,6 +8,7 @@ import torch
 
 from ..files import save_figure
 from . import SHIPPED_MODELS
+from .confidence import Confidence
 from .encoder_decoder import new_encoder_decoder
 from .vision import load_image, pixel_values
 
@@ -77,11 +78,11 @@ class Captioner:
     decoding through the xattn engine."""
 
     def __init__(self, model: str | None = None, compile: bool = False, allow_pickle: bool = False,
-                 weights: str = "exact"):
-        from ..hf.loading import load_image_processor, load_tokenizer
-        from ..hf.model import load
+                 weights: str = "exact", revision: str | None = None):
+        from ..hf.hub import resolve_checkpoint
+        from ..hf.loading import load, load_image_processor, load_tokenizer
 
-        path = model or DEFAULT_MODEL
+        path = DEFAULT_MODEL if model is None else resolve_checkpoint(model, revision, allow_pickle)
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped captioner is not at {path}; pass --model with a checkpoint")
         self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
@@ -89,6 +90,7 @@ class Captioner:
             raise ValueError(f"{path} is not an image captioner (no vision encoder)")
         self.tokenizer = load_tokenizer(path)
         self.processor = load_image_processor(path)
+        self.confidence = Confidence.from_pretrained(path)
         if compile:
             self.engine.compile()
 
@@ -103,8 +105,17 @@ class Captioner:
 
     def caption_pixels(self, pixels: list[torch.Tensor], **generate_kwargs) -> list[str]:
         """Captions of preprocessed images ([3, H, W] each, from load())."""
-        out = self.engine.generate(pixel_values=torch.stack(pixels), **generate_kwargs)
+        out = self.engine.generate(**self.encoder_inputs(pixels), **generate_kwargs)
         return [text.strip() for text in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+    def caption_results(self, pixels: list[torch.Tensor], **generate_kwargs) -> list[dict]:
+        """{"caption", "avg_logprob", "low_confidence"[, "low_confidence_reason"]} per caption (tasks/confidence)."""
+        out = self.engine.generate(**self.encoder_inputs(pixels), return_dict_in_generate=True, **generate_kwargs)
+        texts = [text.strip() for text in self.tokenizer.batch_decode(out.sequences, skip_special_tokens=True)]
+        return self.confidence.results(texts, out.avg_logprob.tolist(), "caption")
+
+    def encoder_inputs(self, pixels: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.stack(pixels)}
 
     def attention_map(self, image, path: str, **generate_kwargs) -> str:
         """Caption one image and draw, for each generated token, its cross-attention over the image patches

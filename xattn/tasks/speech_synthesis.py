@@ -100,15 +100,16 @@ class CodeBatches:
 class Speaker:
     """A TTS checkpoint (EncoderDecoderModel + tokenizer + codebook) decoded by the xattn engine."""
 
-    def __init__(self, model: str | None = None):
+    def __init__(self, model: str | None = None, revision: str | None = None):
         from transformers import EncoderDecoderModel
 
+        from ..hf.hub import resolve_checkpoint
         from ..hf.loading import checkpoint_model_type, load_model, load_tokenizer
         from ..hf.model import from_hf
 
-        path = model or DEFAULT_MODEL
+        path = DEFAULT_MODEL if model is None else resolve_checkpoint(model, revision)
         if not os.path.isdir(path):
-            raise ValueError(f"{path}: no such TTS checkpoint directory")
+            raise ValueError(f"the shipped speaker is not at {path}; pass --model with a checkpoint")
         self.codebook = Codebook.from_pretrained(path)
         if checkpoint_model_type(path) != "encoder-decoder":
             raise ValueError(f"{path} is not a text-to-speech checkpoint (an EncoderDecoderModel with a codebook)")

@@ -1,5 +1,6 @@
 """Speech transcription: the digit recognizer's architecture, its training batches, word error rate and the
-Transcriber (any SpeechEncoderDecoder checkpoint, decoding through the xattn engine)."""
+Transcriber (any SpeechEncoderDecoder checkpoint, decoding through the xattn engine, fed exactly what
+transformers' ASR pipeline feeds the model)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import functools
 import math
 import os
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from . import SHIPPED_MODELS
 from .audio import input_features, load_audio
+from .confidence import Confidence
 from .encoder_decoder import new_encoder_decoder
 
 
@@ -112,14 +115,20 @@ AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".mp3", ".aiff", ".aif")
 
 class Transcriber:
     """A SpeechEncoderDecoder checkpoint (directory or hub id) with its tokenizer and feature extractor, decoding
-    through the xattn engine. Audio longer than `max_seconds` is refused (the model never heard longer audio)."""
+    through the xattn engine. Audio longer than `max_seconds` is refused (the model never heard longer audio).
+
+    Features are transformers' ASR pipeline's (`pipeline_features`), so a transcript is the one
+    `pipeline("automatic-speech-recognition")` gives. `pad_to_stride=True` instead pads each clip to whole stacks
+    of frames, as the training batches do, for an extractor that stacks frames (SeamlessM4T, Wav2Vec2-BERT):
+    transformers' own call drops the last frames that do not fill a stack."""
 
     def __init__(self, model: str | None = None, max_seconds: float = 20.0, compile: bool = False,
-                 allow_pickle: bool = False, weights: str = "exact"):
-        from ..hf.loading import load_feature_extractor, load_tokenizer
-        from ..hf.model import load
+                 allow_pickle: bool = False, weights: str = "exact", pad_to_stride: bool = False,
+                 revision: str | None = None):
+        from ..hf.hub import resolve_checkpoint
+        from ..hf.loading import load, load_feature_extractor, load_tokenizer
 
-        path = model or DEFAULT_MODEL
+        path = DEFAULT_MODEL if model is None else resolve_checkpoint(model, revision, allow_pickle)
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped recognizer is not at {path}; pass --model with a checkpoint")
         self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
@@ -128,6 +137,11 @@ class Transcriber:
         self.tokenizer = load_tokenizer(path)
         self.feature_extractor = load_feature_extractor(path)
         self.sampling_rate = self.feature_extractor.sampling_rate
+        self.confidence = Confidence.from_pretrained(path)
+        if pad_to_stride and not getattr(self.feature_extractor, "stride", None):
+            raise ValueError(f"pad_to_stride applies to feature extractors that stack frames (a `stride`); {path}'s "
+                             f"{type(self.feature_extractor).__name__} does not: leave it off")
+        self.pad_to_stride = pad_to_stride
         if not math.isfinite(max_seconds) or max_seconds <= 0:
             raise ValueError(f"max_seconds must be a positive number, got {max_seconds}")
         self.max_seconds = max_seconds
@@ -147,31 +161,78 @@ class Transcriber:
     @functools.cached_property
     def min_samples(self) -> int:
         """The shortest audio this model takes; found on the first clip under a second, not at start-up."""
-        return shortest_input(self.engine, self.feature_extractor)
+        return shortest_input(self.engine, self.features, self.sampling_rate)
+
+    def features(self, waveforms: list[np.ndarray]) -> dict[str, torch.Tensor]:
+        """The encoder's inputs for waveforms at the model's sample rate, padded into one batch, with an attention
+        mask; a row's features never depend on the rest of the batch."""
+        if self.pad_to_stride:
+            return input_features(self.feature_extractor, waveforms)
+        return pipeline_features(self.feature_extractor, waveforms)
 
     @torch.no_grad()
     def transcribe(self, waveforms: list[np.ndarray], **generate_kwargs) -> list[str]:
         """Transcripts of waveforms at the model's sample rate, padded into one batch (each row stops on its own)."""
-        out = self.engine.generate(**input_features(self.feature_extractor, waveforms), **generate_kwargs)
+        out = self.engine.generate(**self.features(waveforms), **generate_kwargs)
         return [text.strip() for text in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+    @torch.no_grad()
+    def transcribe_results(self, waveforms: list[np.ndarray], **generate_kwargs) -> list[dict]:
+        """{"text", "avg_logprob", "low_confidence"[, "low_confidence_reason"]} per transcript (tasks/confidence)."""
+        out = self.engine.generate(**self.features(waveforms), return_dict_in_generate=True, **generate_kwargs)
+        texts = [text.strip() for text in self.tokenizer.batch_decode(out.sequences, skip_special_tokens=True)]
+        return self.confidence.results(texts, out.avg_logprob.tolist(), "text")
+
+    def encoder_inputs(self, waveforms: list[np.ndarray]) -> dict[str, torch.Tensor]:
+        return self.features(waveforms)
+
+
+def pipeline_features(feature_extractor, waveforms: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """The encoder's inputs as transformers' ASR pipeline makes them from arrays at the model's rate (4.57 and 5.x):
+    each waveform through the feature extractor alone, in the pipeline's own call, then the rows padded on the
+    extractor's padding side as the pipeline's batching pads them (features with its padding value, masks with 0).
+    One call on the whole batch would not do: an extractor that stacks frames cuts the batch's padded length, not
+    each row's, to whole stacks, so a row's last frames would depend on its neighbours."""
+    values, masks = [], []
+    for waveform in waveforms:
+        inputs = feature_extractor(waveform, sampling_rate=feature_extractor.sampling_rate, return_tensors="pt",
+                                   return_attention_mask=True)
+        name = "input_features" if "input_features" in inputs else "input_values"
+        values.append(inputs[name][0])  # [frames, features] or [samples]
+        mask = inputs.get("attention_mask")  # [frames] or [samples]; an extractor without one masks nothing
+        masks.append(torch.ones(values[-1].shape[0], dtype=torch.long) if mask is None else mask[0])
+    left = getattr(feature_extractor, "padding_side", "right") == "left"
+    padding_value = getattr(feature_extractor, "padding_value", 0.0)
+    return {name: _pad_rows(values, padding_value, left), "attention_mask": _pad_rows(masks, 0, left)}
+
+
+def _pad_rows(rows: list[torch.Tensor], value: float, left: bool) -> torch.Tensor:
+    """[length_i, ...] rows -> [B, max length, ...], filled with `value` on the left or right."""
+    length = max(row.shape[0] for row in rows)
+    out = torch.full((len(rows), length, *rows[0].shape[1:]), value, dtype=rows[0].dtype)
+    for i, row in enumerate(rows):
+        if left:
+            out[i, length - row.shape[0]:] = row
+        else:
+            out[i, : row.shape[0]] = row
+    return out
 
 
 @torch.no_grad()
-def shortest_input(engine, feature_extractor) -> int:
-    """The fewest samples for which the feature extractor and the encoder give at least one unmasked, finite
-    encoder position (found by bisection): anything shorter fails inside the model or gives NaN."""
+def shortest_input(engine, features: Callable[[list[np.ndarray]], dict], sampling_rate: int) -> int:
+    """The fewest samples for which `features` (waveforms -> the encoder's inputs) and the encoder give at least one
+    unmasked, finite encoder position (found by bisection): anything shorter fails inside the model or gives NaN."""
     def works(samples: int) -> bool:
         noise = np.random.default_rng(0).standard_normal(samples).astype(np.float32)  # silence normalises to 0/0
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the extractors' own warnings about too few frames
-                inputs = input_features(feature_extractor, [noise])
-                hidden, mask = engine.encode(**inputs)
+                hidden, mask = engine.encode(**features([noise]))
         except (RuntimeError, ValueError, IndexError):
             return False
         return hidden.shape[1] > 0 and (mask is None or bool(mask.any())) and bool(hidden.isfinite().all())
 
-    low, high = 0, feature_extractor.sampling_rate  # works(high): a second of audio is enough for any encoder
+    low, high = 0, sampling_rate  # works(high): a second of audio is enough for any encoder
     if not works(high):
         return 1
     while high - low > 1:

@@ -26,6 +26,7 @@ def add_arguments(parser) -> None:
                         "audio files + metadata.jsonl)")
     parser.add_argument("--model", default="new-scene-captioner", help="checkpoint directory or hub id, or "
                         "new-scene-captioner / new-digit-recognizer / new-speaker")
+    parser.add_argument("--revision", help="with a hub id: the branch, tag or commit to start from (default: main)")
     parser.add_argument("--out", required=True, help="checkpoints, loss.png and final/ go here")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     parser.add_argument("--eval-limit", type=integer(1), default=500,
@@ -39,15 +40,33 @@ def add_arguments(parser) -> None:
         flag = "--" + field.name.replace("_", "-")
         kind = type(field.default)
         if kind is bool:
-            parser.add_argument(flag, action="store_true")
-        elif field.name in TrainConfig.LIMITS:
+            parser.add_argument(flag, action="store_true", help=CONFIG_HELP[field.name])
+            continue
+        help_text = f"{CONFIG_HELP[field.name]} (default {field.default})"
+        if field.name in TrainConfig.LIMITS:
             low, high, low_open = TrainConfig.LIMITS[field.name]
             check = integer(low, high) if kind is int else number(low, high, low_open=low_open)
-            parser.add_argument(flag, type=check, default=field.default, help=f"default {field.default}")
+            parser.add_argument(flag, type=check, default=field.default, help=help_text)
         elif field.name == "mixed_precision":
-            parser.add_argument(flag, choices=TrainConfig.MIXED_PRECISION, default=field.default)
+            parser.add_argument(flag, choices=TrainConfig.MIXED_PRECISION, default=field.default, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=field.default)
+            parser.add_argument(flag, type=kind, default=field.default, help=help_text)
+
+
+CONFIG_HELP = {  # TrainConfig's fields as options
+    "max_steps": "optimizer steps in all",
+    "batch_size": "examples per optimizer step",
+    "learning_rate": "peak learning rate (AdamW)",
+    "warmup_steps": "steps of linear warm-up, then cosine decay to 10%%",
+    "weight_decay": "AdamW's weight decay",
+    "max_grad_norm": "gradients are clipped to this norm",
+    "eval_every": "steps between evaluations on the validation split (and loss.png updates)",
+    "save_every": "steps between checkpoints",
+    "seed": "seeds python's random, numpy, torch and the data order",
+    "gradient_checkpointing": "recompute activations in the backward pass: less memory, more time",
+    "mixed_precision": "auto: bf16 autocast where the CPU has native bf16, else fp32; bf16: always; no: fp32",
+    "keep_checkpoints": "how many of the newest checkpoints to keep",
+}
 
 
 def _patch_size(text: str) -> int:
@@ -76,9 +95,10 @@ def main(args) -> int:
                          "or a checkpoint")
     if args.model in NEW_MODELS[:2] and not os.path.isdir(os.path.join(args.data, "tokenizer")):
         raise ValueError(f"{args.data}: no tokenizer/ folder for a new model")
-    if args.model not in NEW_MODELS and (os.path.sep in args.model or args.model.startswith(".")) \
-            and not os.path.isdir(args.model):
-        raise ValueError(f"{args.model}: no such checkpoint directory")
+    if args.model not in NEW_MODELS:
+        from ..hf.hub import resolve_checkpoint
+
+        args.model = resolve_checkpoint(args.model, args.revision)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out}: is a file; name a folder")
     if args.threads:
@@ -91,6 +111,7 @@ def main(args) -> int:
 
 def run(args, config):
     from ..hf.loading import load_config, load_tokenizer
+    from ..hf.portable import save_tokenizer
     from .checkpoints import replace_directory, writing
     from .loop import seed_everything, train
 
@@ -120,7 +141,7 @@ def run(args, config):
                  "--resume", cleanup=final + ".tmp"):
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         model.save_pretrained(final + ".tmp")
-        tokenizer.save_pretrained(final + ".tmp")
+        save_tokenizer(tokenizer, final + ".tmp")
         preprocessor.save_pretrained(final + ".tmp")
         replace_directory(final + ".tmp", final)
     print(f"saved {final}")

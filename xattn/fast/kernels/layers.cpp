@@ -102,6 +102,10 @@ void attend(const float* q, const float* keys, const float* values, int64_t posi
     scores[t] *= scale;
     peak = std::max(peak, scores[t]);
   }
+  if (peak == -std::numeric_limits<float>::infinity()) {  // every position masked (an all-padding input): zeros,
+    std::fill(out, out + hd, 0.f);                          // as torch's SDPA gives, not 0 / 0
+    return;
+  }
   weighted_sum(scores.data(), values, positions, hd, exponentiate(scores.data(), positions, peak, mask), out);
 }
 
