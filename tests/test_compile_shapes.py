@@ -46,13 +46,16 @@ def test_min_new_tokens_does_not_recompile_the_packed_greedy_step():
     assert _graphs() == graphs
 
 
-def test_past_torchs_recompile_limit_the_step_runs_eagerly(monkeypatch):
+def test_past_torchs_recompile_limit_the_step_runs_eagerly():
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    model = tiny_captioner(seed=31)
-    eager, compiled = xattn.from_hf(model), xattn.from_hf(model).compile(dynamic=False, backend="eager")
-    assert torch.equal(compiled.generate(pixel_values=_pixels(1), max_new_tokens=4),
-                       eager.generate(pixel_values=_pixels(1), max_new_tokens=4))
-    with pytest.warns(UserWarning, match="recompile limit"):
-        got = compiled.generate(pixel_values=_pixels(2), max_new_tokens=4)
-    assert torch.equal(got, eager.generate(pixel_values=_pixels(2), max_new_tokens=4))
+    # dynamo's own patch(): monkeypatch's restore of a config attribute leaves it deleted for later tests
+    with torch._dynamo.config.patch(recompile_limit=1):
+        model = tiny_captioner(seed=31)
+        eager, compiled = xattn.from_hf(model), xattn.from_hf(model).compile(dynamic=False, backend="eager")
+        assert torch.equal(compiled.generate(pixel_values=_pixels(1), max_new_tokens=4),
+                           eager.generate(pixel_values=_pixels(1), max_new_tokens=4))
+        with pytest.warns(UserWarning, match="recompile limit"):
+            got = compiled.generate(pixel_values=_pixels(2), max_new_tokens=4)
+        assert torch.equal(got, eager.generate(pixel_values=_pixels(2), max_new_tokens=4))
+    torch._dynamo.reset()
+    assert torch._dynamo.config.recompile_limit >= 8
