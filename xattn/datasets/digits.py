@@ -2,7 +2,8 @@
 
 An utterance is 1-6 digits spoken as words ("four two seven"), by one of espeak-ng's English voices with one
 of its voice variants, at a random speed and pitch. Splits are made by voice *variant*: the held-out
-variants are never heard in training.
+variants are never heard in training. A share of the training split is files without speech (digital zeros
+or white noise) whose transcript is empty, so that a recognizer learns to say nothing when nobody speaks.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from .metadata import NO_SPEECH
+
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 VOICES = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd", "en-029",
           "en-us-nyc")
@@ -26,11 +29,15 @@ TRAIN_VARIANTS = ("Alex", "Andrea", "Andy", "Annie", "Denis", "Diogo", "Gene", "
                   "m6", "m8", "marcelo", "max", "michel", "miguel", "norbert", "pablo", "paul", "pedro",
                   "quincy", "rob", "robert", "sandro", "shelby", "steph", "steph3", "travis", "victor", "zac")
 HELD_OUT_VARIANTS = ("Alicia", "Mike", "benjamin", "f4", "iven3", "m3", "m7", "steph2")
-SPEEDS = (120, 200)  # words per minute, uniform
+SPEEDS = (100, 260)  # words per minute, uniform: slow to fast talkers (espeak-ng's default is 175)
 PITCHES = (25, 75)  # espeak-ng's 0-99 scale, uniform
 # the TTS learns to speak like these: name -> (voice, variant, speed, pitch), all fixed
 TTS_VOICES = {"us-female": ("en-us", "f3", 170, 55), "gb-male": ("en-gb", "m1", 170, 40)}
 TTS_WORDS = ("hello", "yes", "no", "okay", "stop", "go", "thank you", "goodbye")  # a few words besides digits
+NO_SPEECH_SHARE = 0.03  # of the training split: files without speech, transcribed as empty text
+NO_SPEECH_SECONDS = (0.5, 3.0)  # uniform
+NO_SPEECH_DBFS = (-60.0, -20.0)  # white noise RMS, uniform; one in three files is digital zeros instead
+SAMPLE_RATE = 22_050  # what espeak-ng -w writes; the files without speech are written at it too
 
 
 @dataclass(frozen=True)
@@ -42,12 +49,45 @@ class Utterance:
     pitch: int
 
 
-def utterance_for(seed: int, index: int, variants: tuple[str, ...]) -> Utterance:
-    """The index-th utterance of a split: a pure function of (seed, index), so splits remake identically."""
+@dataclass(frozen=True)
+class NoSpeech:
+    """A file without speech: its transcript is empty, and its metadata row says "no_speech": true."""
+    seconds: float
+    level_dbfs: float | None  # RMS of its white noise in dB below full scale; None: digital zeros
+    noise_seed: int  # numpy's seed for the noise
+
+    @property
+    def text(self) -> str:
+        return ""
+
+
+def utterance_for(seed: int, index: int, variants: tuple[str, ...], speeds: tuple[int, int] = SPEEDS,
+                  no_speech: float = 0.0) -> Utterance | NoSpeech:
+    """The index-th utterance of a split: a pure function of its arguments, so splits remake identically.
+
+    speeds: the range of words per minute. no_speech: the share of indices that are files without speech
+    instead, drawn after the utterance, so every other index is the same utterance whatever the share."""
     rng = random.Random(seed * 1_000_003 + index)
     digits = [rng.choice(DIGITS) for _ in range(rng.randint(1, 6))]
-    return Utterance(" ".join(digits), rng.choice(VOICES), rng.choice(variants), rng.randint(*SPEEDS),
-                     rng.randint(*PITCHES))
+    spoken = Utterance(" ".join(digits), rng.choice(VOICES), rng.choice(variants), rng.randint(*speeds),
+                       rng.randint(*PITCHES))
+    if rng.random() >= no_speech:
+        return spoken
+    seconds = round(rng.uniform(*NO_SPEECH_SECONDS), 2)
+    level = None if rng.random() < 1 / 3 else round(rng.uniform(*NO_SPEECH_DBFS), 1)
+    return NoSpeech(seconds, level, rng.getrandbits(32))
+
+
+def no_speech_samples(spoken: NoSpeech, sampling_rate: int = SAMPLE_RATE):
+    """The file's samples: mono float32 [seconds x sampling_rate], zeros or white noise at its level."""
+    import numpy as np
+
+    from .augment_audio import white_noise
+
+    length = round(spoken.seconds * sampling_rate)
+    if spoken.level_dbfs is None:
+        return np.zeros(length, np.float32)
+    return np.clip(white_noise(length, spoken.level_dbfs, np.random.default_rng(spoken.noise_seed)), -1.0, 1.0)
 
 
 def tts_utterance_for(seed: int, index: int) -> Utterance:
@@ -78,16 +118,24 @@ def espeak() -> str:
     return path
 
 
-def synthesize(utterance: Utterance, path: str) -> None:
-    """Write the utterance as espeak-ng speaks it (a 22050 Hz mono wav)."""
+def synthesize(utterance: Utterance | NoSpeech, path: str) -> None:
+    """Write the utterance as espeak-ng speaks it (a 22050 Hz mono 16-bit wav), or a file without speech as the
+    same kind of wav."""
+    if isinstance(utterance, NoSpeech):
+        import soundfile
+
+        soundfile.write(path, no_speech_samples(utterance), SAMPLE_RATE, subtype="PCM_16", format="WAV")
+        return
     voice = f"{utterance.voice}+{utterance.variant}"
     subprocess.run([espeak(), "-v", voice, "-s", str(utterance.speed), "-p", str(utterance.pitch), "-w", path,
                     utterance.text], check=True, capture_output=True)
 
 
-def write_split(directory: str, count: int, utterance: Callable[[int], Utterance], progress: bool = True) -> None:
-    """wav files + metadata.jsonl (file_name, text, voice, variant, speed, pitch) of utterance(0..count-1);
-    resumable like the scenes."""
+def write_split(directory: str, count: int, utterance: Callable[[int], Utterance | NoSpeech],
+                progress: bool = True) -> None:
+    """wav files + metadata.jsonl of utterance(0..count-1): file_name, text, voice, variant, speed, pitch; or, for
+    a file without speech, file_name, text "", no_speech true, seconds, level_dbfs, noise_seed. Resumable like
+    the scenes."""
     from tqdm import tqdm
 
     from ..jobs import finished_inputs
@@ -101,13 +149,15 @@ def write_split(directory: str, count: int, utterance: Callable[[int], Utterance
             spoken = utterance(index)
             name = f"{index:06d}.wav"
             synthesize(spoken, os.path.join(directory, name))
-            f.write(json.dumps({"file_name": name, **asdict(spoken)}) + "\n")
+            row = asdict(spoken) if isinstance(spoken, Utterance) else {"text": "", NO_SPEECH: True, **asdict(spoken)}
+            f.write(json.dumps({"file_name": name, **row}) + "\n")
             f.flush()
 
 
 def read_split(directory: str, check: Callable[[dict], None] | None = None) -> list[dict]:
     """The rows of metadata.jsonl (file_name and text), each with the absolute `path` of its file; a file_name
-    leading outside `directory` or a malformed line is a ValueError naming metadata.jsonl and the line."""
+    leading outside `directory`, an empty text in a row not marked "no_speech": true, or a malformed line is a
+    ValueError naming metadata.jsonl and the line."""
     from .metadata import read_metadata
 
     return read_metadata(directory, required=("file_name", "text"), check=check)

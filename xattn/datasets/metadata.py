@@ -5,6 +5,9 @@ A data folder may come from anyone. A `file_name` that is absolute, climbs out w
 file elsewhere would make training read (and learn, and ship in the weights) files from outside the folder, so
 each one is resolved (symlinks included) and refused with a one-line ValueError naming metadata.jsonl and the
 line, as is every line that is not a JSON object with the needed string fields.
+
+An empty (or blank) "text" is a mistake in a captioning or speech data set, except in a row of audio without
+speech marked "no_speech": true, whose text must be empty: a recognizer learns from those rows to say nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 from collections.abc import Callable
 
 METADATA = "metadata.jsonl"
+NO_SPEECH = "no_speech"  # a row's mark that its file holds no speech and its empty "text" is meant
 
 
 def read_metadata(directory: str, required: tuple[str, ...] = ("file_name",),
@@ -45,6 +49,8 @@ def read_metadata(directory: str, required: tuple[str, ...] = ("file_name",),
         missing = [key for key in required if not isinstance(row.get(key), str)]
         if missing:
             raise ValueError(f"{where}: needs {', '.join(repr(k) for k in missing)} as text")
+        if "text" in required:
+            _check_text(row, where)
         row["path"] = _inside(root, row["file_name"], where)
         if check is not None:
             try:
@@ -55,6 +61,18 @@ def read_metadata(directory: str, required: tuple[str, ...] = ("file_name",),
     if not rows:
         raise ValueError(f"{file}: no rows (no examples in {directory})")
     return rows
+
+
+def _check_text(row: dict, where: str) -> None:
+    """Text, or empty text in a row marked no_speech, and nothing in between."""
+    no_speech = row.get(NO_SPEECH, False)
+    if not isinstance(no_speech, bool):
+        raise ValueError(f"{where}: {NO_SPEECH!r} must be true or false, got {no_speech!r}")
+    if no_speech and row["text"]:
+        raise ValueError(f"{where}: a row with {NO_SPEECH!r}: true has empty 'text', got {row['text'][:200]!r}")
+    if not no_speech and not row["text"].strip():
+        raise ValueError(f"{where}: empty 'text' (only a file without speech has one, and its row says "
+                         f"{NO_SPEECH!r}: true)")
 
 
 def _inside(root: str, name: str, where: str) -> str:

@@ -28,6 +28,7 @@ COLOURS = {
 }
 BACKGROUNDS = {"black": (0, 0, 0), "dark gray": (64, 64, 64), "light gray": (200, 200, 200), "white": (255, 255, 255)}
 SIZES = {"small": (4.0, 6.0), "large": (9.0, 12.0)}  # circumradius range in pixels
+THREE_SHAPE_SCALE = 0.8  # both sizes shrink in three-shape scenes, so three large shapes fit 21 px cells
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ class Scene:
         return f"{phrases[0]}, {phrases[1]} and {phrases[2]} {direction}"
 
 
-def random_scene(rng: random.Random) -> Scene:
+def random_scene(rng: random.Random, small_scale: float = THREE_SHAPE_SCALE) -> Scene:
+    """small_scale: the factor of small shapes in three-shape scenes, placed as if unscaled; 1.0 draws them as the
+    generator did before they were scaled (4-6 px), for measuring that reading of the spec. The draws from rng, and
+    so the caption and every shape's centre, do not depend on it."""
     n = rng.choice((1, 2, 3))
     layout = "single" if n == 1 else rng.choice(("row", "column"))
     background = rng.choice(list(BACKGROUNDS))
@@ -70,7 +74,7 @@ def random_scene(rng: random.Random) -> Scene:
     shapes = []
     for i in range(n):
         size = rng.choice(list(SIZES))
-        radius = rng.uniform(*SIZES[size]) * (0.8 if n == 3 and size == "large" else 1.0)  # fits a 21 px cell
+        radius = rng.uniform(*SIZES[size]) * (THREE_SHAPE_SCALE if n == 3 and size == "large" else 1.0)
         slack = max(0.0, cell / 2 - radius - 0.5)  # jitter along the layout that keeps the shape in its cell
         along = cell * (i + 0.5) + rng.uniform(-slack, slack)
         off = across + rng.uniform(-4, 4)
@@ -80,12 +84,14 @@ def random_scene(rng: random.Random) -> Scene:
         along = min(max(along, margin), IMAGE_SIZE - margin)
         off = min(max(off, margin), IMAGE_SIZE - margin)
         x, y = (off, along) if layout == "column" else (along, off)
+        if n == 3 and size == "small":  # shrunk about the centre it had unscaled: gaps between shapes only grow
+            radius *= small_scale
         shapes.append(Shape(rng.choice(SHAPES), rng.choice(list(COLOURS)), size, x, y, radius))
     return Scene(tuple(shapes), layout, background)
 
 
-def scene_for(seed: int, index: int) -> Scene:
-    return random_scene(random.Random(f"{seed}:{index}"))
+def scene_for(seed: int, index: int, small_scale: float = THREE_SHAPE_SCALE) -> Scene:
+    return random_scene(random.Random(f"{seed}:{index}"), small_scale)
 
 
 def _polygon(kind: str, x: float, y: float, r: float) -> list[tuple[float, float]]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import random
 import warnings
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -42,31 +44,61 @@ def new_digit_recognizer(tokenizer):
 
 
 class SpeechBatches:
-    """Examples {"path": audio file, "text": transcript} -> model kwargs with labels (padding ignored).
+    """Examples {"path": audio file, "text": transcript} -> model kwargs with labels (padding ignored). An empty
+    transcript (a file without speech) is labelled with the end token alone.
 
     Each file's features are computed once and kept (epochs after the first only pad them): a padded batch of
     kept features equals the feature extractor run on the whole batch, since padding is zeros after the
-    per-utterance normalisation."""
+    per-utterance normalisation.
 
-    def __init__(self, feature_extractor, tokenizer):
-        self.feature_extractor, self.tokenizer = feature_extractor, tokenizer
-        self._features: dict[str, torch.Tensor] = {}
+    augment(waveform, sampling_rate, rng) -> waveform (xattn.datasets.augment_audio.corrupt) corrupts every clip
+    afresh each time it is used, before the feature extractor; then the waveforms are kept instead of the
+    features. Each clip's rng is seeded from python's global random (seeded from --seed and saved in every
+    checkpoint by xattn.train) and the clip's file_name."""
+
+    def __init__(self, feature_extractor, tokenizer,
+                 augment: Callable[[np.ndarray, int, np.random.Generator], np.ndarray] | None = None):
+        self.feature_extractor, self.tokenizer, self.augment = feature_extractor, tokenizer, augment
+        self._features: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._waveforms: dict[str, np.ndarray] = {}
 
     def features(self, path: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The file's encoder input ([frames, features] or [samples]) and its attention mask."""
         found = self._features.get(path)
         if found is None:
-            waveform = load_audio(path, self.feature_extractor.sampling_rate)
-            inputs = input_features(self.feature_extractor, [waveform])
-            name = "input_features" if "input_features" in inputs else "input_values"
-            found = self._features[path] = inputs[name][0], inputs["attention_mask"][0]
+            found = self._features[path] = self._encode(self.waveform(path))
         return found
+
+    def waveform(self, path: str) -> np.ndarray:
+        """The file at the extractor's rate (kept only when augmenting: otherwise its features are)."""
+        found = self._waveforms.get(path)
+        if found is None:
+            found = load_audio(path, self.feature_extractor.sampling_rate)
+            if self.augment is not None:
+                self._waveforms[path] = found
+        return found
+
+    def _encode(self, waveform: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = input_features(self.feature_extractor, [waveform])
+        name = "input_features" if "input_features" in inputs else "input_values"
+        return inputs[name][0], inputs["attention_mask"][0]
+
+    def _corrupted(self, example: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        # one draw from python's random per example: training seeds it and --resume restores it, so a resumed run
+        # corrupts alike; the file name keeps torchrun's processes (seeded alike) from corrupting alike
+        name = example.get("file_name", example["path"])
+        rng = np.random.default_rng([random.getrandbits(64), zlib.crc32(name.encode())])
+        rate = self.feature_extractor.sampling_rate
+        return self._encode(self.augment(self.waveform(example["path"]), rate, rng))
 
     def __call__(self, examples: list[dict]) -> dict:
         eos = self.tokenizer.eos_token
         encoded = self.tokenizer([e["text"] + eos for e in examples], padding=True, return_tensors="pt")
         labels = encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100)
-        rows, masks = zip(*(self.features(e["path"]) for e in examples))
+        if self.augment is None:
+            rows, masks = zip(*(self.features(e["path"]) for e in examples))
+        else:
+            rows, masks = zip(*(self._corrupted(e) for e in examples))
         padded = torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
         mask = torch.nn.utils.rnn.pad_sequence(list(masks), batch_first=True)
         name = "input_features" if padded.ndim == 3 else "input_values"

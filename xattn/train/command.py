@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import shutil
 
 import numpy as np
@@ -34,6 +35,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--patch-size", type=_patch_size, default=8,
                         help="new-scene-captioner: ViT patch size (divides the 64 px image)")
     parser.add_argument("--threads", type=THREADS, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--augment", action="store_true",
+                        help="captioners and recognizers: corrupt each training example afresh each time it is "
+                        "used, as real files are (images, xattn.datasets.augment: JPEG q30-95 with 4:2:0 or 4:4:4 "
+                        "chroma, WebP, resizing to 32-1024 px, slight blur and noise, brightness/contrast jitter; "
+                        "30%% left as they are; speech, xattn.datasets.augment_audio: 0-1 s of silence before and "
+                        "after, a noise floor, white noise at 10-40 dB SNR, the 8 kHz band, gain -20 to +6 dB; "
+                        "25%% left clean); drawn from --seed, so --resume stays exact")
     for field in dataclasses.fields(TrainConfig):
         if field.name == "output_dir":
             continue
@@ -121,6 +129,9 @@ def run(args, config):
     if kind not in kinds:
         raise ValueError(f"{args.model}: a {kind} checkpoint; train takes vision-, speech- or text-to-speech "
                          "encoder-decoder models")
+    if args.augment and kinds[kind] is _tts:
+        raise ValueError(f"--augment corrupts training images and speech; {args.model} is a speaker, whose audio is "
+                         "what it learns to say: leave --augment out")
     if args.model == "new-speaker":
         from ..datasets.digits import TTS_VOICES
         from ..tasks.speech_synthesis import text_tokenizer
@@ -149,10 +160,12 @@ def run(args, config):
 
 class ImageRows:
     """The rows of a checked imagefolder split as {"image": RGB image, "text"}, each image decoded when asked
-    for by xattn.vision.load_image (as the Captioner reads images: one-line errors naming the file)."""
+    for by xattn.vision.load_image (as the Captioner reads images: one-line errors naming the file).
 
-    def __init__(self, rows: list[dict]):
-        self.rows = rows
+    augment: each image comes corrupted afresh (xattn.datasets.augment) every time it is asked for."""
+
+    def __init__(self, rows: list[dict], augment: bool = False):
+        self.rows, self.augment = rows, augment
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -161,7 +174,14 @@ class ImageRows:
         from ..tasks.vision import load_image
 
         row = self.rows[index]
-        return {"image": load_image(row["path"]), "text": row["text"], "path": row["path"]}
+        image = load_image(row["path"])
+        if self.augment:
+            from ..datasets.augment import corrupt
+
+            # one draw from python's random per example: the training loop seeds it and --resume restores it, so a
+            # resumed run corrupts alike; the index keeps torchrun's processes (seeded alike) from corrupting alike
+            image = corrupt(image, random.Random(f"{random.getrandbits(64)}:{index}"))
+        return {"image": image, "text": row["text"], "path": row["path"]}
 
 
 def _images(args, tokenizer):
@@ -184,12 +204,13 @@ def _images(args, tokenizer):
     def evaluate(m):
         return caption_accuracy(from_hf(m), processor, tokenizer, validation, limit=args.eval_limit)
 
-    return model, processor, ImageRows(train_rows), CaptionBatches(processor, tokenizer), evaluate
+    return model, processor, ImageRows(train_rows, args.augment), CaptionBatches(processor, tokenizer), evaluate
 
 
 def _speech(args, tokenizer):
     from transformers import SpeechEncoderDecoderModel
 
+    from ..datasets.augment_audio import corrupt
     from ..datasets.digits import read_split
     from ..hf.loading import load_feature_extractor, load_model
     from ..hf.model import from_hf
@@ -207,7 +228,8 @@ def _speech(args, tokenizer):
     def evaluate(m):
         return transcription_accuracy(from_hf(m), features, tokenizer, validation, limit=args.eval_limit)
 
-    return model, features, train_set, SpeechBatches(features, tokenizer), evaluate
+    augment = corrupt if args.augment else None
+    return model, features, train_set, SpeechBatches(features, tokenizer, augment), evaluate
 
 
 def _check_text_lengths(rows: list[dict], tokenizer, model) -> None:
