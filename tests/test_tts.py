@@ -96,3 +96,17 @@ def test_speak_command_writes_a_wav_and_refuses_bad_text(tiny_speaker, tmp_path,
     assert "no such checkpoint directory" in capsys.readouterr().err
     assert main(["speak", "hi", "--model", str(tmp_path), "-o", out]) == 2  # a folder, but no TTS in it
     assert "no codebook.npz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("frames", [10, 60, 400])
+def test_spectrogram_title_fits_the_figure_for_any_allowed_text(frames):
+    from xattn.tasks.audio_codes import spectrogram_figure
+    from xattn.tasks.speech_synthesis import MAX_TEXT
+
+    title = "one: " + ("seven " * 40)[:MAX_TEXT]
+    fig = spectrogram_figure(np.zeros((frames, N_MELS), np.float32), title)
+    renderer = fig.canvas.get_renderer()
+    box = fig.axes[0].title.get_window_extent(renderer)
+    width, height = fig.bbox.width, fig.bbox.height
+    assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height, (box, width, height)
+    assert "".join(fig.axes[0].get_title().split()) == "".join(title.split())  # wrapped, nothing dropped

@@ -109,20 +109,33 @@ class Codebook:
         return cls(centroids)
 
 
-def draw_spectrogram(frames: np.ndarray, path: str, title: str = "") -> None:
-    """[frames, mels] log-mel as a PNG (time across, frequency up)."""
-    import matplotlib
+def spectrogram_figure(frames: np.ndarray, title: str = ""):
+    """[frames, mels] log-mel as a matplotlib figure (time across, frequency up); a long title wraps to the
+    figure's width instead of running off its edges."""
+    import textwrap
 
-    from ..files import save_figure
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(4.0, len(frames) / 40), 3))
+    width = max(4.0, len(frames) / 40)
+    lines = textwrap.wrap(title, width=int(width * 11)) if title else []  # ~11 characters per inch at 10 pt
+    fig, ax = plt.subplots(figsize=(width, 3 + 0.18 * max(0, len(lines) - 1)))
     ax.imshow(frames.T, origin="lower", aspect="auto", cmap="magma")
     ax.set_xlabel("frame (20 ms)")
     ax.set_ylabel("mel bin")
-    ax.set_title(title)
+    ax.set_title("\n".join(lines), fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def draw_spectrogram(frames: np.ndarray, path: str, title: str = "") -> None:
+    """[frames, mels] log-mel as a PNG."""
+    import matplotlib.pyplot as plt
+
+    from ..files import save_figure
+
+    fig = spectrogram_figure(frames, title)
     save_figure(fig, path, dpi=100)
     plt.close(fig)
