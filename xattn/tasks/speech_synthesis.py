@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import SHIPPED_MODELS
-from .audio_codes import CHUNK, SAMPLE_RATE, Codebook, log_mel
+from .audio_codes import SAMPLE_RATE, Codebook, log_mel
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz '"
 MAX_TEXT = 120  # characters; the decoder's positions bound the audio length too
@@ -151,19 +151,16 @@ class Speaker:
         return self.codebook.vocode(self.codes(text, voice, **generate_kwargs)[0])
 
     def stream(self, text: str, voice: str | None = None, **generate_kwargs) -> Iterator[np.ndarray]:
-        """Audio in pieces of CHUNK codes, each yielded as soon as its codes exist; concatenated they equal
-        speak() with the same seed."""
-        pending: list[int] = []
+        """Audio in pieces of CHUNK codes (Codebook.vocode_stream), each yielded as soon as its codes and a few
+        after it exist; concatenated they equal speak() with the same seed."""
+        return self.codebook.vocode_stream(self._codes_as_made(text, voice, generate_kwargs))
+
+    def _codes_as_made(self, text: str, voice: str | None, generate_kwargs: dict) -> Iterator[int]:
         for tokens in self.engine.stream(**self._plan(text, voice, generate_kwargs)):
             code = int(tokens[0])
             if code >= self.codebook.size:  # stop (or pad after it)
-                break
-            pending.append(code)
-            if len(pending) == CHUNK:
-                yield self.codebook.vocode(pending)
-                pending = []
-        if pending:
-            yield self.codebook.vocode(pending)
+                return
+            yield code
 
     def _until_stop(self, row: np.ndarray) -> np.ndarray:
         ends = np.flatnonzero(row >= self.codebook.size)
