@@ -106,6 +106,23 @@ def test_bad_prefix_and_options_are_refused():
     with pytest.raises(ValueError, match="prefix_embeds must be"):
         adapter.generate(torch.randn(2, 5, D + 1), start_token=START)
     with pytest.raises(ValueError, match="num_beams"):
-        adapter.generate(torch.randn(2, 5, D), start_token=START, num_beams=2)
+        next(adapter.stream(torch.randn(2, 5, D), start_token=START, num_beams=2))
     with pytest.raises(ValueError, match="top_p"):
         adapter.generate(torch.randn(2, 5, D), start_token=START, do_sample=True, top_p=2.0)
+
+
+def test_beam_search_latents_are_the_hidden_states_of_the_returned_codes():
+    """Beams are reordered while they grow: generate() gives each returned sequence the latents transformers' own
+    forward computes over it (teacher forcing)."""
+    parts = tortoise_like(3)
+    gpt, mel_embedding, mel_pos_embedding, final_norm, mel_head = parts
+    adapter = PrefixConditionedGPT2(gpt, mel_embedding, mel_pos_embedding, mel_head, final_norm=final_norm)
+    prefix = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = adapter.generate(prefix, start_token=START, max_new_tokens=10, num_beams=3, num_return_sequences=2,
+                               repetition_penalty=1.5)
+        assert out.sequences.shape[0] == 4
+        audio = torch.cat([torch.full((4, 1), START), out.sequences[:, :-1]], 1)
+        emb = mel_embedding(audio) + mel_pos_embedding(torch.arange(audio.shape[1]))
+        hidden = gpt(inputs_embeds=torch.cat([prefix.repeat_interleave(2, 0), emb], 1)).last_hidden_state
+        torch.testing.assert_close(out.latents, final_norm(hidden[:, prefix.shape[1]:]), atol=1e-5, rtol=1e-5)
