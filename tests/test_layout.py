@@ -14,6 +14,7 @@ RULES = {  # layer -> what it may import from xattn (besides itself)
     "fast": set(CORE),
     "hf": set(CORE) | {"xattn.fast"},
     "tasks": set(CORE) | {"xattn.fast", "xattn.hf", "xattn.files", "xattn.jobs", "xattn.datasets"},
+    "integrations": set(CORE) | {"xattn.tasks"},  # other projects' pipelines (coqui-tts, tortoise) over tasks/
 }
 
 

@@ -175,6 +175,38 @@ def _speak(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    """The HTTP service (xattn/serve/): FastAPI + uvicorn, one process or --workers processes sharing the port."""
+    import dataclasses
+    import json
+    import tempfile
+
+    import uvicorn
+
+    from .serve.app import API_KEY_ENV, SETTINGS_ENV, Models, Settings, create_app
+
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    settings = Settings(captioner=args.captioner, recognizer=args.recognizer, speaker=args.speaker,
+                        max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                        max_upload_mb=args.max_upload_mb, timeout_s=args.timeout_s,
+                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        batching=not args.no_batching, max_seconds=args.max_seconds, threads=threads)
+    common = dict(host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_shutdown_s,
+                  log_level="warning" if args.quiet else "info")
+    if args.workers == 1:  # models load here, so a bad --captioner is a one-line error before the port opens
+        uvicorn.run(create_app(settings), **common)
+        return 0
+    # each worker loads the models itself; check them once here first (one line, before any process starts)
+    Models(settings)
+    os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(dataclasses.replace(settings, api_key=None)))
+    if settings.api_key:
+        os.environ[API_KEY_ENV] = settings.api_key
+    with tempfile.TemporaryDirectory(prefix="xattn-metrics-") as folder:
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", folder)  # /metrics sums the workers' counts
+        uvicorn.run("xattn.serve.app:app_from_env", factory=True, workers=args.workers, **common)
+    return 0
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         index, count = (int(x) for x in text.split("/"))
@@ -304,8 +336,39 @@ def _speak_parser(commands) -> argparse.ArgumentParser:
     return speak
 
 
+def _serve_parser(commands) -> argparse.ArgumentParser:
+    serve = commands.add_parser("serve", help="HTTP service: /v1/caption, /v1/audio/transcriptions, /v1/audio/speech "
+                                "(FastAPI + uvicorn; API docs at /docs)")
+    for name, kind in (("captioner", "VisionEncoderDecoder"), ("recognizer", "SpeechEncoderDecoder"),
+                       ("speaker", "TTS")):
+        serve.add_argument(f"--{name}", help=f"{kind} checkpoint directory or hub id (default: the shipped one; "
+                           f"none: no {name})")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on")
+    serve.add_argument("--workers", type=POSITIVE, default=1, help="processes sharing the port, each with its own "
+                       "models and batches")
+    serve.add_argument("--threads", type=THREADS, help="torch threads per worker (default: the cores / --workers)")
+    serve.add_argument("--max-batch-size", type=POSITIVE, default=16, help="requests run together at most")
+    serve.add_argument("--max-queue", type=POSITIVE, default=64, help="requests waiting per task beyond which new "
+                       "ones get 429 with Retry-After")
+    serve.add_argument("--max-upload-mb", type=number(0, low_open=True), default=20.0, help="largest request body "
+                       "(413 beyond it)")
+    serve.add_argument("--timeout-s", type=number(0, low_open=True), default=60.0, help="per-request deadline "
+                       "(504 beyond it; a request still waiting is dropped)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it); default: "
+                       "the XATTN_API_KEY environment variable, else open")
+    serve.add_argument("--no-batching", action="store_true", help="run one request at a time")
+    serve.add_argument("--max-seconds", type=number(0, low_open=True), default=20.0,
+                       help="the recognizer refuses longer audio (as xattn transcribe)")
+    serve.add_argument("--graceful-shutdown-s", type=number(0, low_open=True), default=30.0,
+                       help="on SIGTERM, how long requests in flight may take to finish")
+    serve.add_argument("--quiet", action="store_true", help="log warnings only, not each request")
+    serve.set_defaults(run=_serve)
+    return serve
+
+
 def parser() -> argparse.ArgumentParser:
-    """The `xattn` command line: bench, caption, transcribe, speak, train."""
+    """The `xattn` command line: bench, caption, transcribe, speak, train, serve."""
     from .train import command as train_command
 
     top = _Parser(prog="xattn", description=__doc__)
@@ -327,7 +390,7 @@ def parser() -> argparse.ArgumentParser:
                                 "(= recipes/finetune.py)")
     train_command.add_arguments(train)
     train.set_defaults(run=train_command.main)
-    subs += [caption, transcribe, _speak_parser(commands), train]
+    subs += [caption, transcribe, _speak_parser(commands), train, _serve_parser(commands)]
     for sub in subs:
         sub.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     return top
