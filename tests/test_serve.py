@@ -264,8 +264,9 @@ def test_openapi_lists_the_clis_generation_options(client):
     for name in ("max_new_tokens", "num_beams", "do_sample", "top_k", "top_p", "seed", "response_format"):
         assert name in text
     assert client.get("/docs").status_code == 200
-    home = client.get("/", follow_redirects=False)  # the web page's place; until there is one, the docs
-    assert home.status_code == 307 and home.headers["location"] == "/docs"
+    home = client.get("/", follow_redirects=False)  # the web page (tests/test_serve_page.py), with its script
+    assert home.status_code == 200 and home.headers["content-type"].startswith("text/html")
+    assert client.get("/app.js").status_code == 200 and client.get("/style.css").status_code == 200
 
 
 def test_metrics(client):

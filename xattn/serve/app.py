@@ -303,7 +303,8 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         return {"status": "ok", "version": __version__, "pid": os.getpid(),
                 "models": {t: (served[t] or "shipped") for t in batchers},
                 "queue": {t: b.pending for t, b in batchers.items()},
-                "max_batch_size": batch_size, "max_queue": settings.max_queue}
+                "max_batch_size": batch_size, "max_queue": settings.max_queue,
+                "voices": list(getattr(models.speaker, "voices", None) or [])}  # the page's voice menu
 
     @app.get("/metrics", tags=["service"], summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
