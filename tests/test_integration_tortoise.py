@@ -110,6 +110,23 @@ def test_tortoise_does_not_import_or_decode_without_xattn(voice, inputs):
     assert not tortoise.is_enabled(voice)
 
 
+def test_importable_in_a_fresh_interpreter():
+    """Nothing of transformers' model code imported before the block: transformers.processing_utils' first import
+    puts a new module in sys.modules["transformers"] on the way (the names the block adds must be on that one)."""
+    code = "\n".join([
+        "import sys",
+        "from xattn.integrations import tortoise as integration",
+        "assert 'transformers.processing_utils' not in sys.modules",
+        "with integration.importable():",
+        "    import tortoise.models.autoregressive",
+        "    from tortoise.api import TextToSpeech",
+        "import transformers",
+        "assert not hasattr(transformers, 'LogitsWarper') and 'torchaudio' not in sys.modules",
+    ])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_candidates_equal_tortoises_decoding_by_hand(voice, inputs, setting):
     cond, text = inputs
@@ -156,3 +173,33 @@ def test_enable_takes_texttospeech_and_refuses_what_it_cannot_do(inputs):
     bare.inference_model = None
     with pytest.raises(ValueError, match="post_init_gpt2_config"):
         tortoise.enable(bare)
+
+
+@pytest.mark.parametrize("setting", ["greedy rp 2", "sampling, top-k 10, 2 candidates"])
+def test_packed_weights_give_exacts_candidates(voice, inputs, setting):
+    cond, text = inputs
+    codes = {}
+    for weights in ("exact", "packed"):
+        tortoise.enable(voice, weights=weights)
+        try:
+            torch.manual_seed(5)
+            codes[weights] = voice.inference_speech(cond, text, **SETTINGS[setting])
+        finally:
+            tortoise.disable(voice)
+    assert torch.equal(codes["packed"], codes["exact"]) and codes["exact"].shape[1] > 3
+
+
+def test_int8_weights_and_an_unknown_format(inputs):
+    cond, text = inputs
+    voice = unified_voice(True)
+    tortoise.enable(voice, weights="int8")
+    try:
+        codes = voice.inference_speech(cond, text, do_sample=True, num_return_sequences=2, max_generate_length=8,
+                                       min_new_tokens=8)
+    finally:
+        tortoise.disable(voice)
+    assert codes.shape == (2, 8) and int(codes.max()) < 40 and not bool((codes == STOP).any())
+    with pytest.raises(ValueError) as error:
+        tortoise.enable(voice, weights="float16")
+    assert str(error.value) == "weights='float16': choose one of exact, packed, bf16, int8"
+    assert not tortoise.is_enabled(voice)

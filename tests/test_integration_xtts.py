@@ -30,7 +30,8 @@ TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 START, STOP = 38, 39
 # XTTS v2's shape at a tiny size. gpt_max_audio_tokens + 3 = the audio vocabulary: coqui gives its inference
 # GPT2Config vocab_size = max_mel_tokens, and transformers' beam search reshapes the scores by that vocab_size
-# (with XTTS v2's real config, 608 != 8194, coqui's own beam search fails; xattn's does not read it).
+# (with XTTS v2's real config, 608 != its 1026 audio tokens, coqui's own beam search fails; xattn's does not read it).
+# (8194, 8192 codes + start + stop, is only the default of coqui-tts 0.28's XttsArgs and GPT.)
 ARGS = dict(gpt_layers=2, gpt_n_model_channels=32, gpt_n_heads=2, gpt_number_text_tokens=20, gpt_start_text_token=18,
             gpt_stop_text_token=19, gpt_num_audio_tokens=40, gpt_start_audio_token=START,
             gpt_stop_audio_token=STOP, gpt_max_audio_tokens=37, gpt_max_text_tokens=30, gpt_max_prompt_tokens=10,
@@ -254,7 +255,7 @@ def test_enable_takes_the_api_object_and_refuses_what_it_cannot_do(model, inputs
 
 
 def test_beam_search_with_xtts_v2s_vocab_mismatch(inputs):
-    """XTTS v2's inference GPT2Config says vocab_size = max_mel_tokens (608), its head has 8194 audio tokens:
+    """XTTS v2's inference GPT2Config says vocab_size = max_mel_tokens (608), its head has 1026 audio tokens:
     transformers 4.57's beam search reshapes by the former and coqui's own fails (5.x reads the scores' shape);
     xattn's reads the head's scores as they are, and equals coqui's where that runs."""
     cond, _, text = inputs
@@ -273,3 +274,43 @@ def test_beam_search_with_xtts_v2s_vocab_mismatch(inputs):
         codes = model.gpt.generate(cond, text, **kwargs)
     assert codes.shape[0] == 1 and codes.shape[1] > 3 and int(codes.max()) < 40
     assert expected is None or torch.equal(codes, expected)
+
+
+@contextlib.contextmanager
+def enabled_in(model, weights):
+    xtts.enable(model, weights=weights)
+    try:
+        yield
+    finally:
+        xtts.disable(model)
+
+
+@pytest.mark.parametrize("setting", ["greedy rp 2", "greedy rp 10", "sampling, gpt_batch_size 3"])
+def test_packed_weights_give_exacts_codes(model, inputs, setting):
+    """fp32 copies sum in another order (logits differ by rounding only): the codes are exact's, which are coqui's."""
+    cond, _, text = inputs
+    kwargs = SETTINGS[setting]
+    with enabled(model):
+        expected = seeded(lambda: model.gpt.generate(cond, text, **kwargs))
+    with enabled_in(model, "packed"):
+        codes = seeded(lambda: model.gpt.generate(cond, text, **kwargs))
+    assert torch.equal(codes, expected) and codes.shape[1] > 3
+
+
+def test_int8_weights_decode_codes_of_the_right_shape(model, inputs):
+    cond, _, text = inputs
+    with enabled_in(model, "int8"):
+        greedy = seeded(lambda: model.gpt.generate(cond, text, do_sample=False, max_new_tokens=10,
+                                                   min_new_tokens=10))
+        sampled = seeded(lambda: model.gpt.generate(cond, text, **dict(SETTINGS["sampling, gpt_batch_size 3"],
+                                                                       max_new_tokens=10, min_new_tokens=10)))
+    assert greedy.shape == (1, 10) and sampled.shape == (3, 10)
+    codes = torch.cat([greedy, sampled])
+    assert int(codes.min()) >= 0 and int(codes.max()) < 40 and not bool((codes == STOP).any())  # min_new_tokens
+
+
+def test_an_unknown_weight_format_is_one_clear_error(model):
+    with pytest.raises(ValueError) as error:
+        xtts.enable(model, weights="fp16")
+    assert str(error.value) == "weights='fp16': choose one of exact, packed, bf16, int8"
+    assert not xtts.is_enabled(model)

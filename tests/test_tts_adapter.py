@@ -109,6 +109,23 @@ def test_bad_prefix_and_options_are_refused():
         next(adapter.stream(torch.randn(2, 5, D), start_token=START, num_beams=2))
     with pytest.raises(ValueError, match="top_p"):
         adapter.generate(torch.randn(2, 5, D), start_token=START, do_sample=True, top_p=2.0)
+    with pytest.raises(ValueError, match=r"^weights='fp32': choose one of exact, packed, bf16, int8$"):
+        PrefixConditionedGPT2(gpt, mel_embedding, mel_pos_embedding, mel_head, weights="fp32")
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_packed_weights_give_transformers_tokens(batch):
+    """The GPT's projections as fp32 copies (xattn.fast.formats' "packed"): the same tokens, latents to rounding."""
+    parts = tortoise_like(4)
+    gpt, mel_embedding, mel_pos_embedding, final_norm, mel_head = parts
+    prefix = torch.randn(batch, 7, D, generator=torch.Generator().manual_seed(6))
+    adapter = PrefixConditionedGPT2(gpt, mel_embedding, mel_pos_embedding, mel_head, final_norm=final_norm,
+                                    weights="packed")
+    with torch.no_grad():
+        expected, expected_latents = transformers_step_by_step(parts, prefix, 12)
+        out = adapter.generate(prefix, start_token=START, max_new_tokens=12)
+    assert torch.equal(out.sequences, expected)
+    torch.testing.assert_close(out.latents, expected_latents, atol=1e-5, rtol=1e-5)
 
 
 def test_beam_search_latents_are_the_hidden_states_of_the_returned_codes():

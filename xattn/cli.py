@@ -21,6 +21,8 @@ def _bench(args) -> int:
         check_output(args.json, "--json", (".json",))
     if args.chart:
         check_output(args.chart, "--chart", (".png",))
+    if args.tts:
+        return _bench_tts(args)
 
     rows = list(bench.ROWS)[:1] if args.quick else list(bench.ROWS)
     if args.rows:
@@ -55,6 +57,31 @@ def _bench(args) -> int:
         print(f"wrote {args.chart}")
     fp32_same = all(m.tokens_equal_to_transformers is not False for m in results)
     return 0 if fp32_same else 1
+
+
+def _bench_tts(args) -> int:
+    import importlib.util
+
+    from .bench import tts
+
+    if importlib.util.find_spec("TTS") is None:
+        print("xattn bench: --tts builds coqui-tts' XTTS GPT: pip install -e '.[tts-pipelines]'", file=sys.stderr)
+        return 2
+    mixed = [option for option, value in (("--quick", args.quick), ("--rows", args.rows), ("--compile", args.compile),
+                                          ("--end-to-end", args.end_to_end), ("--chart", args.chart)) if value]
+    if mixed:
+        print(f"xattn bench: --tts runs alone; drop {' '.join(mixed)}", file=sys.stderr)
+        return 2
+    shape = tts.Shape(layers=args.tts_layers, width=args.tts_width, heads=args.tts_heads, tokens=args.tts_tokens,
+                      text_tokens=args.tts_text_tokens)
+    shape.check()  # a ValueError: main() prints it in one line
+    report = tts.run(shape, repeats=args.repeats, threads=args.threads, venv=args.tts_venv)
+    print()
+    print(tts.table(report))
+    if args.json:
+        tts.save(report, args.json)
+        print(f"\nwrote {args.json}")
+    return 0 if tts.identical(report) else 1
 
 
 def _generation_kwargs(args) -> dict:
@@ -288,6 +315,16 @@ def _bench_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=POSITIVE, default=2, help="best of this many runs per measurement")
     bench.add_argument("--threads", type=THREADS, default=2, help="torch threads")
     bench.add_argument("--json", help="also write the results here (JSON)")
+    tts = bench.add_argument_group("--tts: XTTS v2's GPT stage, xattn vs coqui-tts' own decoding (transformers 4.57)")
+    tts.add_argument("--tts", action="store_true", help="run this bench instead (coqui-tts' GPT module, random "
+                     "weights; needs the tts-pipelines extra)")
+    tts.add_argument("--tts-venv", metavar="DIR", help="the venv with coqui-tts and transformers 4.57 that runs "
+                     "coqui's own decoding (default: .venv457 where it exists; without one that column is skipped)")
+    tts.add_argument("--tts-layers", type=POSITIVE, default=30, help="GPT layers (XTTS v2: 30)")
+    tts.add_argument("--tts-width", type=POSITIVE, default=1024, help="GPT width (XTTS v2: 1024)")
+    tts.add_argument("--tts-heads", type=POSITIVE, default=16, help="attention heads (XTTS v2: 16)")
+    tts.add_argument("--tts-tokens", type=POSITIVE, default=250, help="audio codes per call (250: 11.6 s of audio)")
+    tts.add_argument("--tts-text-tokens", type=POSITIVE, default=100, help="text ids in the prefix")
     bench.set_defaults(run=_bench)
     return bench
 

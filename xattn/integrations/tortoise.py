@@ -5,6 +5,7 @@
         from tortoise.api import TextToSpeech   # or: from tortoise.models.autoregressive import UnifiedVoice
     tts = TextToSpeech(...)
     tortoise.enable(tts)                        # or enable(tts.autoregressive); disable() undoes it
+    tortoise.enable(tts, weights="packed")      # or so, in another weight format (see enable())
 
 tortoise-tts 3.0.0 pins transformers 4.31: on 4.57 and 5.x it does not import (`LogitsWarper` and, on 5.x,
 `transformers.utils.model_parallel_utils` are gone; `torchaudio` is imported at module level), and its
@@ -43,8 +44,11 @@ def importable() -> Iterator[None]:
     GPT2InferenceModel.parallelize(), whose functions here raise) and torchaudio where it is not installed
     (xattn.integrations.torchaudio_stand_in). The installed packages are not edited.
     """
-    import transformers
+    import transformers.processing_utils  # noqa: F401
 
+    # processing_utils' first import runs transformers/__init__.py again (direct_transformers_import), which puts a
+    # new lazy module in sys.modules["transformers"]: done first, the name is set on the module that stays there
+    transformers = sys.modules["transformers"]
     added_warper = not hasattr(transformers, "LogitsWarper")
     if added_warper:
         transformers.LogitsWarper = transformers.LogitsProcessor
@@ -89,10 +93,17 @@ def _unified_voice(model):
     return voice
 
 
-def enable(model) -> None:
-    """Route the UnifiedVoice's `inference_speech` through xattn (model: TextToSpeech or UnifiedVoice)."""
+def enable(model, weights: str = "exact") -> None:
+    """Route the UnifiedVoice's `inference_speech` through xattn (model: TextToSpeech or UnifiedVoice, its
+    inference model set up by post_init_gpt2_config, which TextToSpeech calls).
+
+    weights: the GPT's weight format, as `xattn.load(..., weights=)` takes it: "exact" (its own tensors),
+    "packed" (fp32 copies: logits differ by rounding only), "bf16" or "int8" (faster, codes may differ); CPU only
+    but for "exact". Copies are made here, once: enable() again after changing the weights."""
     voice = _unified_voice(model)
-    voice.inference_speech = functools.partial(inference_speech, voice)  # shadows the method on this instance
+    adapter = decoder(voice, weights)
+    # shadows the method on this instance
+    voice.inference_speech = functools.partial(inference_speech, voice, adapter=adapter)
 
 
 def disable(model) -> None:
@@ -104,8 +115,9 @@ def is_enabled(model) -> bool:
     return "inference_speech" in getattr(model, "autoregressive", model).__dict__
 
 
-def decoder(voice) -> PrefixConditionedGPT2:
-    """xattn's decoder over a UnifiedVoice's own weights, reading positions as its inference model does."""
+def decoder(voice, weights: str = "exact") -> PrefixConditionedGPT2:
+    """xattn's decoder over a UnifiedVoice's own weights (with weights="exact", nothing copied), reading positions
+    as its inference model does."""
     table = voice.mel_pos_embedding.emb
     if getattr(voice.inference_model, "kv_cache", False):  # step t > 0 reads position t + 1 (see the docstring)
         def position_embedding(positions: torch.Tensor) -> torch.Tensor:
@@ -113,14 +125,15 @@ def decoder(voice) -> PrefixConditionedGPT2:
     else:
         position_embedding = table
     return PrefixConditionedGPT2(voice.gpt, voice.mel_embedding, position_embedding, voice.mel_head,
-                                 final_norm=voice.final_norm, prompt_token=PROMPT_TOKEN)
+                                 final_norm=voice.final_norm, prompt_token=PROMPT_TOKEN, weights=weights)
 
 
 def inference_speech(voice, speech_conditioning_latent: torch.Tensor, text_inputs: torch.Tensor,
                      input_tokens: torch.Tensor | None = None, num_return_sequences: int = 1,
                      max_generate_length: int | None = None, typical_sampling: bool = False, typical_mass: float = 0.9,
-                     **hf_generate_kwargs) -> torch.Tensor:
-    """`UnifiedVoice.inference_speech`: audio codes [batch * num_return_sequences, T], stop-token padded."""
+                     *, adapter: PrefixConditionedGPT2 | None = None, **hf_generate_kwargs) -> torch.Tensor:
+    """`UnifiedVoice.inference_speech`: audio codes [batch * num_return_sequences, T], stop-token padded.
+    adapter: the decoder enable() built (default: decoder(voice), exact)."""
     if input_tokens is not None:
         raise ValueError("xattn's Tortoise decoding does not continue input_tokens: pass input_tokens=None")
     if typical_sampling:
@@ -130,7 +143,8 @@ def inference_speech(voice, speech_conditioning_latent: torch.Tensor, text_input
     kwargs = {k: v for k, v in hf_generate_kwargs.items() if k not in ("output_attentions", "output_hidden_states")}
     if kwargs.get("num_beams", 1) > 1 and kwargs.get("do_sample"):
         raise ValueError("xattn does not do beam sampling: with num_beams > 1 pass do_sample=False")
-    codes = decoder(voice).generate(voice.inference_model.cached_mel_emb, start_token=voice.start_mel_token,
-                                    stop_token=voice.stop_mel_token, max_new_tokens=max_new,
-                                    num_return_sequences=num_return_sequences, **kwargs)
+    codes = (adapter or decoder(voice)).generate(voice.inference_model.cached_mel_emb,
+                                                 start_token=voice.start_mel_token, stop_token=voice.stop_mel_token,
+                                                 max_new_tokens=max_new, num_return_sequences=num_return_sequences,
+                                                 **kwargs)
     return codes.sequences

@@ -5,6 +5,7 @@
         from TTS.tts.models.xtts import Xtts
     model = Xtts.init_from_config(config); model.load_checkpoint(config, checkpoint_dir=..., eval=True)
     xtts.enable(model)                     # model.inference() / inference_stream() now decode through xattn
+    xtts.enable(model, weights="int8")     # or so, in another weight format (see enable())
     xtts.disable(model)                    # back to coqui's own decoding
 
 Only the audio-token decoding changes (`GPT.generate`, behind `inference()`, and `GPT.get_generator`, behind
@@ -19,8 +20,9 @@ does not read, and gives the tokens coqui's decoding gives on transformers 4.57 
   step from the global RNG, as coqui does.
 Beam search (num_beams > 1, do_sample=False): coqui's own fails with XTTS v2's real config on 4.57 too, as
 transformers 4.57's beam search reshapes the scores by the GPT2Config's vocab_size, which coqui sets to max_mel_tokens
-(608), not the 8194 audio tokens; xattn's does not read that vocab_size (tested at a tiny config with the same
-mismatch). Call enable() after loading a checkpoint: `load_checkpoint` builds a new
+(608), not the 1026 audio tokens of XTTS v2's config.json (1024 codes, start 1024, stop 1025; the 8194 = 8192 + 2
+of coqui-tts 0.28's XttsArgs and GPT are only their defaults); xattn's does not read that vocab_size (tested at a
+tiny config with the same mismatch). Call enable() after loading a checkpoint: `load_checkpoint` builds a new
 `model.gpt`.
 """
 
@@ -43,16 +45,21 @@ def _xtts(model):
     return getattr(getattr(model, "synthesizer", None), "tts_model", model)
 
 
-def enable(model) -> None:
+def enable(model, weights: str = "exact") -> None:
     """Route `model.inference()` and `model.inference_stream()`'s GPT decoding through xattn (model: a coqui-tts
     `Xtts` put in inference mode by `load_checkpoint(eval=True)` or `model.eval()`, or a `TTS.api.TTS` holding
-    one)."""
+    one).
+
+    weights: the GPT's weight format, as `xattn.load(..., weights=)` takes it: "exact" (its own tensors: coqui's
+    codes), "packed" (fp32 copies: logits differ by rounding only), "bf16" or "int8" (faster, codes may differ);
+    CPU only but for "exact". Copies are made here, once: enable() again after changing the weights."""
     gpt = getattr(_xtts(model), "gpt", None)
     if gpt is None or not hasattr(gpt, "gpt_inference"):
         raise ValueError("model.gpt is not ready for inference: load the checkpoint with eval=True, or call "
                          "model.eval(), before xattn.integrations.xtts.enable(model)")
-    gpt.generate = functools.partial(generate, gpt)  # instance attributes shadow GPT's methods
-    gpt.get_generator = functools.partial(get_generator, gpt)
+    adapter = decoder(gpt, weights)
+    gpt.generate = functools.partial(generate, gpt, adapter=adapter)  # instance attributes shadow GPT's methods
+    gpt.get_generator = functools.partial(get_generator, gpt, adapter=adapter)
 
 
 def disable(model) -> None:
@@ -65,26 +72,28 @@ def is_enabled(model) -> bool:
     return all(name in _xtts(model).gpt.__dict__ for name in _PATCHED)
 
 
-def decoder(gpt) -> PrefixConditionedGPT2:
-    """xattn's decoder over a coqui-tts XTTS `GPT` module's own weights (nothing copied)."""
+def decoder(gpt, weights: str = "exact") -> PrefixConditionedGPT2:
+    """xattn's decoder over a coqui-tts XTTS `GPT` module's own weights (with weights="exact", nothing copied)."""
     return PrefixConditionedGPT2(gpt.gpt, gpt.mel_embedding, gpt.mel_pos_embedding.emb, gpt.mel_head,
-                                 final_norm=gpt.final_norm, prompt_token=PROMPT_TOKEN)
+                                 final_norm=gpt.final_norm, prompt_token=PROMPT_TOKEN, weights=weights)
 
 
-def generate(gpt, cond_latents: torch.Tensor, text_inputs: torch.Tensor, **hf_generate_kwargs) -> torch.Tensor:
+def generate(gpt, cond_latents: torch.Tensor, text_inputs: torch.Tensor, *,
+             adapter: PrefixConditionedGPT2 | None = None, **hf_generate_kwargs) -> torch.Tensor:
     """`GPT.generate`: audio codes [rows, T] (stop-token padded), from coqui's prefix and transformers-style
     keywords (do_sample, temperature, top_k, top_p, repetition_penalty, num_beams, length_penalty,
-    num_return_sequences, ...)."""
+    num_return_sequences, ...). adapter: the decoder enable() built (default: decoder(gpt), exact)."""
     if hf_generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("return_dict_in_generate is not supported by xattn's XTTS decoding: it returns the codes")
     fake_inputs = gpt.compute_embeddings(cond_latents, text_inputs)  # coqui's own prefix, kept on gpt_inference
     kwargs = _options(gpt, fake_inputs, hf_generate_kwargs)
     if kwargs.get("num_beams", 1) > 1 and kwargs.get("do_sample"):
         raise ValueError("xattn does not do beam sampling: with num_beams > 1 pass do_sample=False")
-    return decoder(gpt).generate(gpt.gpt_inference.cached_prefix_emb, **kwargs).sequences
+    return (adapter or decoder(gpt)).generate(gpt.gpt_inference.cached_prefix_emb, **kwargs).sequences
 
 
-def get_generator(gpt, fake_inputs: torch.Tensor, **hf_generate_kwargs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def get_generator(gpt, fake_inputs: torch.Tensor, *, adapter: PrefixConditionedGPT2 | None = None,
+                  **hf_generate_kwargs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """`GPT.get_generator`: yields (tokens [rows], latents [rows, D]) per step, drawn as coqui's stream draws them:
     always by sampling, filtered by temperature/top-k/top-p only when do_sample=True."""
     kwargs = _options(gpt, fake_inputs, hf_generate_kwargs)
@@ -92,7 +101,7 @@ def get_generator(gpt, fake_inputs: torch.Tensor, **hf_generate_kwargs) -> Itera
         raise ValueError("streaming decodes one sequence: pass num_beams=1")
     if not kwargs.get("do_sample", False):  # coqui's stream samples anyway, from the unfiltered distribution
         kwargs.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    for step in decoder(gpt).stream(gpt.gpt_inference.cached_prefix_emb, **kwargs):
+    for step in (adapter or decoder(gpt)).stream(gpt.gpt_inference.cached_prefix_emb, **kwargs):
         yield step.tokens, step.latents
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from ..cache import CrossAttentionCache
 from ..decoder import GPT2CrossAttentionDecoder
 from ..generate import GenerationOptions, beam_search, sample_stream
+from ..steps import DecoderSteps
 
 
 @dataclass
@@ -50,18 +51,24 @@ class PrefixConditionedGPT2:
         in for the ones), so their repetition penalty also divides the score of audio token 1 from the first step
         on; with prompt_token=1 xattn's does the same (one copy stands for all P: the penalty is per id), and
         min_length counts those P + 1 ids as transformers' does.
+    weights: the format of the GPT's projections, as `xattn.load(..., weights=)` takes it: "exact" (its own
+        tensors, nothing copied), "packed", "bf16" or "int8" (copies made here, once: build the adapter again after
+        changing the weights; see xattn.fast.formats). The audio head and the embeddings stay the caller's own.
     """
 
     def __init__(self, gpt2: nn.Module, token_embedding: Callable, position_embedding: Callable, head: Callable,
-                 final_norm: Callable | None = None, prompt_token: int | None = None):
+                 final_norm: Callable | None = None, prompt_token: int | None = None, weights: str = "exact"):
         self.gpt2, self.token_embedding, self.position_embedding = gpt2, token_embedding, position_embedding
         self.head, self.final_norm, self.prompt_token = head, final_norm, prompt_token
+        self.weights = weights
+        self._steps = None if weights == "exact" else _steps(gpt2, weights)  # None: transformers' own products
 
     def _decoder(self, prefix_length: int) -> GPT2CrossAttentionDecoder:
         def embed(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [B, T] at cache positions [T]
             return self.token_embedding(ids) + self.position_embedding(positions - prefix_length)
 
-        return GPT2CrossAttentionDecoder(self.gpt2, embed=embed)  # no head: steps return ln_f hidden states
+        # no head: steps return ln_f hidden states
+        return GPT2CrossAttentionDecoder(self.gpt2, embed=embed, steps=self._steps)
 
     def _latent(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden if self.final_norm is None else self.final_norm(hidden)
@@ -162,6 +169,13 @@ class PrefixConditionedGPT2:
             hidden = torch.cat([hidden, decoder.prefill(cache, input_ids=sequences[:, :-1], all_logits=True)], 1)
         latents = self._latent(hidden)
         return AudioCodes(sequences, latents, _lengths(sequences, stop_token))
+
+
+def _steps(gpt2: nn.Module, weights: str) -> DecoderSteps:
+    """The GPT's per-step projections in format `weights` (checked there: a ValueError naming the formats)."""
+    from ..fast import decoder_steps
+
+    return decoder_steps(GPT2CrossAttentionDecoder(gpt2), weights)
 
 
 def _lengths(sequences: torch.Tensor, stop: int | None) -> torch.Tensor:
