@@ -50,6 +50,21 @@ def test_avg_logprob_is_the_models_own_mean_token_logprob(weights, tolerance, kw
     assert torch.allclose(out.avg_logprob, expected, atol=tolerance), (out.avg_logprob, expected)
 
 
+def test_avg_logprob_scored_in_chunks_of_fewer_rows_than_inputs(monkeypatch):
+    """Rows are replayed in chunks that keep their logits within a budget (a GPT-2 vocabulary: 10 rows of 33 tokens);
+    a chunk of fewer rows than inputs reads each row's own encoder row (it was refused as 'not a multiple')."""
+    import xattn.hf.scores as scores
+
+    engine = xattn.from_hf(tiny_captioner(seed=2))
+    pixels = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    kwargs = dict(return_dict_in_generate=True, max_new_tokens=8, num_beams=2, num_return_sequences=2)
+    whole = engine.generate(pixel_values=pixels, **kwargs)
+    monkeypatch.setattr(scores, "_LOGIT_BUDGET", 1)  # one row at a time
+    chunked = engine.generate(pixel_values=pixels, **kwargs)
+    assert torch.equal(chunked.sequences, whole.sequences)
+    torch.testing.assert_close(chunked.avg_logprob, whole.avg_logprob, rtol=0, atol=1e-6)
+
+
 def test_greedy_avg_logprob_equals_transformers_generate_logits():
     model = tiny_captioner(seed=6)
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))

@@ -119,7 +119,13 @@ DECODER_CASES = [
           r"multiple of the 3 encoder rows", "more encoder rows than rows without enc_index"),  # was a division by 0
     _case(_no_cross_but(enc_index=lambda: torch.tensor([0, 0])), r"need cross_keys", "enc_index without cross_keys"),
     _case(_set(position=lambda: torch.tensor(2.5)), r"position: expected one integer", "fractional position"),
-    _case(_set(position=lambda: torch.tensor([1, 2])), r"position: expected one integer", "two positions"),
+    _case(_set(position=lambda: torch.tensor([1, 2, 3])), r"position: expected one integer, or one per row \(B=2\)",
+          "three positions for two rows"),
+    _case(_set(position=lambda: torch.tensor([[1, 2]])), r"position: expected one integer", "positions [1, B]"),
+    _case(_set(position=lambda: torch.tensor([1, T])), r"position 8 \(row 1\) is outside the cache",
+          "a row's position past the cache"),
+    _case(_set(values=lambda: torch.zeros(L, 2 * B, H, T, HD)[:, :B]), r"values \(keys' shape\).*strides",
+          "values strided unlike keys"),
     _case(_set(scalings=lambda: [1.0]), r"scalings: expected one per layer", "one scaling missing"),
 ]
 INT8_CASES = [
@@ -158,6 +164,31 @@ def test_decoder_layers_refuses_int8(change, message):
     change(args)
     with pytest.raises(RuntimeError, match=message):
         kernels.decoder_layers(**args)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_rows_at_their_own_positions_in_a_range_of_a_larger_cache(int8):
+    """In-flight batching: each row at its own position, the cache a range of a larger one's rows (strided); each
+    row's output and K/V are those of the row run alone at its position."""
+    keys, values = _randn(L, B + 2, H, T, HD), 2 * _randn(L, B + 2, H, T, HD)  # earlier requests' K/V
+    stale = keys.clone()
+    args = dict(decoder_args(int8), packed=[], keys=keys[:, 1:1 + B], values=values[:, 1:1 + B])
+    positions = (3, 6)
+    alone = []
+    for b, position in enumerate(positions):
+        e = int(args["enc_index"][b])
+        row = dict(args, hidden=args["hidden"][b:b + 1], keys=args["keys"][:, b:b + 1].clone(),
+                   values=args["values"][:, b:b + 1].clone(), position=torch.tensor(position), enc_index=None,
+                   cross_keys=args["cross_keys"][:, e:e + 1].contiguous(),
+                   cross_values=args["cross_values"][:, e:e + 1].contiguous(),
+                   cross_mask=args["cross_mask"][e:e + 1].contiguous())
+        alone.append((kernels.decoder_layers(**row), row["keys"], row["values"]))
+    out = kernels.decoder_layers(**dict(args, position=torch.tensor(positions)))
+    for b, (hidden, row_keys, row_values) in enumerate(alone):
+        assert torch.equal(out[b:b + 1], hidden)
+        assert torch.equal(keys[:, 1 + b: 2 + b], row_keys) and torch.equal(values[:, 1 + b: 2 + b], row_values)
+        assert not torch.equal(keys[:, 1 + b, :, positions[b]], stale[:, 1 + b, :, positions[b]])  # written there
+    assert torch.equal(keys[:, 0], stale[:, 0]) and torch.equal(keys[:, -1], stale[:, -1])  # rows outside untouched
 
 
 def test_a_refused_step_leaves_the_cache_as_it_was():

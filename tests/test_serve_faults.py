@@ -64,8 +64,8 @@ def gated(captioner):
     gated.gate.set()
 
 
-def _app(gated, **settings):
-    return create_app(Settings(**settings), captioner=gated, transcriber=_Off(), speaker=_Off())
+def _app(gated, **settings):  # the micro-batcher (in-flight batching: tests/test_inflight.py)
+    return create_app(Settings(inflight=False, **settings), captioner=gated, transcriber=_Off(), speaker=_Off())
 
 
 class _Off:  # a task the app is given but these tests never call
@@ -295,7 +295,7 @@ class EndlessSpeaker:
 
 def test_a_listener_that_leaves_stops_the_speech(gated):
     speaker = EndlessSpeaker()
-    app = create_app(Settings(), captioner=gated, transcriber=_Off(), speaker=speaker)
+    app = create_app(Settings(inflight=False), captioner=gated, transcriber=_Off(), speaker=speaker)
     with _serving(app) as url:
         with httpx.stream("POST", f"{url}/v1/audio/speech", json={"input": "four"}, timeout=60) as response:
             assert response.status_code == 200

@@ -36,7 +36,7 @@ GATED_SERVER = textwrap.dedent("""
                 gate.read()
             return real.caption_results(pixels, **kwargs)
 
-    app = create_app(Settings(recognizer="none", speaker="none", threads=1), captioner=Gated())
+    app = create_app(Settings(recognizer="none", speaker="none", threads=1, inflight=False), captioner=Gated())
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=60)
 """)
 

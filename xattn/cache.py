@@ -24,6 +24,9 @@ class CrossAttentionCache:
     # [] long: where the next token goes (= tokens written so far). A tensor, so that a compiled step reads it as
     # an input; the cache alone moves it (advance), keeping it equal to the host-side `length`.
     position: torch.Tensor | None = None
+    # [B] long: where each row's next token goes, when rows are at different positions (in-flight batching: requests
+    # join and leave one decode batch, xattn/inflight.py); a decode step then reads it instead of `position`
+    row_positions: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.position is None:
@@ -97,7 +100,7 @@ class CrossAttentionCache:
     def set_cross(self, cross_keys: torch.Tensor, cross_values: torch.Tensor, cross_mask: torch.Tensor | None):
         """Store the cross-attention K/V of all layers; called once per encoder output."""
         b_enc = cross_keys.shape[1]
-        if self.batch_size % b_enc:
+        if self.enc_index is None and self.batch_size % b_enc:
             raise ValueError(
                 f"cache has {self.batch_size} rows, which is not a multiple of the {b_enc} encoder rows; "
                 "pass enc_index to map rows to encoder rows"
@@ -142,6 +145,22 @@ class CrossAttentionCache:
             cross_mask=self.cross_mask,
             enc_index=None if enc_index is None else enc_index.index_select(0, row_index),
             position=self.position.clone(),
+        )
+
+    def rows(self, start: int, stop: int, length: int = 0) -> CrossAttentionCache:
+        """Rows [start, stop) as a cache over the same storage (steps and reorders write through), at `length`.
+        Each row reads its own encoder row: with one per decoding row, those rows of the cross K/V; else all of
+        them, through enc_index."""
+        own = self.enc_index is None and self.has_cross and self.encoder_batch_size == self.batch_size
+        enc_index = None if own else self.encoder_rows()
+        cross = (lambda t: t if t is None else t[:, start:stop]) if own else (lambda t: t)
+        return CrossAttentionCache(
+            keys=self.keys[:, start:stop], values=self.values[:, start:stop], cross_keys=cross(self.cross_keys),
+            cross_values=cross(self.cross_values),
+            cross_mask=self.cross_mask[start:stop] if own and self.cross_mask is not None else self.cross_mask,
+            enc_index=None if enc_index is None else enc_index[start:stop],
+            position=torch.tensor(length, device=self.keys.device),
+            row_positions=None if self.row_positions is None else self.row_positions[start:stop],
         )
 
     def expand(self, group: int) -> CrossAttentionCache:

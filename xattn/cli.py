@@ -217,7 +217,8 @@ def _serve(args) -> int:
                         max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                         max_upload_mb=args.max_upload_mb, timeout_s=args.timeout_s,
                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                        batching=not args.no_batching, max_seconds=args.max_seconds, threads=threads)
+                        batching=not args.no_batching, inflight=not args.no_inflight, max_seconds=args.max_seconds,
+                        threads=threads)
     common = dict(host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_shutdown_s,
                   log_level="warning" if args.quiet else "info")
     if args.workers == 1:  # models load here, so a bad --captioner is a one-line error before the port opens
@@ -395,6 +396,8 @@ def _serve_parser(commands) -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it); default: "
                        "the XATTN_API_KEY environment variable, else open")
     serve.add_argument("--no-batching", action="store_true", help="run one request at a time")
+    serve.add_argument("--no-inflight", action="store_true", help="caption in micro-batches of the requests that "
+                       "wait together, instead of joining each request to the running decode batch")
     serve.add_argument("--max-seconds", type=number(0, low_open=True), default=20.0,
                        help="the recognizer refuses longer audio (as xattn transcribe)")
     serve.add_argument("--graceful-shutdown-s", type=number(0, low_open=True), default=30.0,

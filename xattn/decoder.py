@@ -4,7 +4,8 @@ No parameter is copied: every projection reads the module's own tensors. The for
 self-attention K/V into a CrossAttentionCache in place and reads cross-attention K/V computed once.
 `prefill()` takes a prompt of any length and `decode_step()` one token per row, each at the cache's position,
 which it advances; `step_logits()` is the step without the advance (static shapes, no host state), what
-torch.compile(fullgraph=True) compiles.
+torch.compile(fullgraph=True) compiles. Where the cache has row_positions, each row steps at its own position
+(in-flight batching, xattn/inflight.py, which moves them).
 """
 
 from __future__ import annotations
@@ -203,11 +204,13 @@ class GPT2CrossAttentionDecoder(nn.Module):
         return torch.argmax(logits.scatter(1, forbidden.expand(logits.shape[0], -1), float("-inf")), dim=-1)
 
     def _step_hidden(self, input_ids: torch.Tensor, cache: CrossAttentionCache):
-        """input_ids [B] at cache.position -> the last block's output [B, 1, D] (before ln_f); writes the step's K/V."""
-        positions = cache.position.view(1)
+        """input_ids [B] at cache.position (or each row at cache.row_positions) -> the last block's output [B, 1, D]
+        (before ln_f); writes the step's K/V."""
+        position = cache.position if cache.row_positions is None else cache.row_positions  # [] or [B]
+        positions = position.view(-1, 1) if position.dim() else position.view(1)  # [B, 1] per row, or [1]
         hidden = self.embed(input_ids[:, None], positions)
         if self.fused is not None and self.fused.applies(input_ids.shape[0], cache):
-            return self.fused(hidden[:, 0], cache, cache.position)[:, None]
+            return self.fused(hidden[:, 0], cache, position)[:, None]
         return self.forward_hidden(hidden, cache, positions)
 
     @torch.no_grad()
@@ -224,12 +227,15 @@ class GPT2CrossAttentionDecoder(nn.Module):
         self, hidden: torch.Tensor, cache: CrossAttentionCache, positions: torch.Tensor,
         record: list | None = None,
     ) -> torch.Tensor:
-        """hidden [B, T, D] at absolute positions [T]; writes K/V at those positions; returns [B, T, D].
+        """hidden [B, T, D] at absolute positions [T] (or [B, T], each row at its own); writes K/V at those positions;
+        returns [B, T, D].
 
         record: if a list, each layer's cross-attention probabilities [B, H, T, S] are appended to it."""
         t_max = cache.max_length
-        # (T, T_max): a query at position p sees keys at positions <= p
-        self_mask = torch.arange(t_max, device=hidden.device)[None, :] <= positions[:, None]
+        # (T, T_max), or (B, 1, T, T_max) per row: a query at position p sees keys at positions <= p
+        self_mask = torch.arange(t_max, device=hidden.device) <= positions[..., None]
+        if positions.dim() == 2:
+            self_mask = self_mask[:, None]
         cross_mask = None
         if cache.cross_mask is not None:
             cross_mask = cache.cross_mask[:, None, None, :]  # (B_enc, 1, 1, S)
@@ -247,8 +253,13 @@ class GPT2CrossAttentionDecoder(nn.Module):
         qkv = proj["qkv"](_layer_norm(hidden, block.ln_1))  # (B, T, 3*D)
         q, k, v = qkv.view(b, t, 3, h, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
         keys, values = cache.keys[layer_idx], cache.values[layer_idx]  # (B, H, T_max, hd)
-        keys.index_copy_(2, positions, k)
-        values.index_copy_(2, positions, v)
+        if positions.dim() == 1:
+            keys.index_copy_(2, positions, k)
+            values.index_copy_(2, positions, v)
+        else:  # each row at its own positions
+            at = positions[:, None, :, None].expand(b, h, t, hd)
+            keys.scatter_(2, at, k)
+            values.scatter_(2, at, v)
         attn = self.attention(q, keys, values, attn_mask=self_mask, scale=scaling)
         hidden = hidden + proj["attn_out"](attn.transpose(1, 2).reshape(b, t, h * hd))
 

@@ -48,6 +48,12 @@ class DecoderSteps:
     # (None: the whole batch at once)
     fused: FusedStep | None = field(default=None, repr=False)  # a whole decode step in one call, where it applies
     greedy_head: GreedyArgmax | None = field(default=None, repr=False)  # greedy tokens without the full head
+    # a step computes each row independently of the rows beside it up to this many rows (None: at any count), so a
+    # request decoded among others gets what it gets alone; above it a product quantizes the rows together (int8)
+    independent_rows: int | None = None
+    # these steps with every row independent at any count (None: they are already, or cannot be): what in-flight
+    # batching runs rows of different requests through (xattn/inflight.py)
+    rowwise: DecoderSteps | None = field(default=None, repr=False)
 
 
 class ExactConv1D:

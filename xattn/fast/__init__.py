@@ -4,11 +4,13 @@ imports this package; it is entered through `accelerate` (a decoder) and `accele
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from ..decoder import GPT2CrossAttentionDecoder, plain_attention
 from ..steps import DecoderSteps, block_convs
-from . import formats
+from . import formats, kernels
 from .fused import FusedLayers
 from .greedy_head import GreedyHead
 
@@ -38,7 +40,7 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
                    for block in transformer.h]
     lm_head = None if decoder.lm_head is None else formats.linear(decoder.lm_head, weights)
     copies = weights != "exact"
-    return DecoderSteps(
+    steps = DecoderSteps(
         name=weights, cross_name=cross_weights, projections=projections,
         cross_kv=[formats.conv1d(block.crossattention.c_attn, cross_weights) for block in transformer.h
                   if hasattr(block, "crossattention")],
@@ -49,7 +51,26 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
         cross_rows=None if cross_weights == "exact" else _cross_rows(decoder),
         fused=FusedLayers.build(transformer, projections, decoder.scalings, weights, config.activation_function),
         greedy_head=None if decoder.output_fn is not None else GreedyHead.build(lm_head),
+        independent_rows=formats.independent_rows(weights),
     )
+    steps.rowwise = _rowwise(steps)
+    return steps
+
+
+def _rowwise(steps: DecoderSteps) -> DecoderSteps | None:
+    """The steps with every product through xattn's kernels at any row count (each row independent of the others),
+    the same copies read; None where the steps are row-independent already, or without the kernels."""
+    if steps.independent_rows is None or not kernels.available():
+        return None
+
+    def rowwise(projection):
+        return projection.rowwise if hasattr(projection, "rowwise") else projection
+
+    return dataclasses.replace(
+        steps, projections=[{name: rowwise(p) for name, p in proj.items()} for proj in steps.projections],
+        lm_head=None if steps.lm_head is None else rowwise(steps.lm_head),
+        fused=None if steps.fused is None else steps.fused.rowwise(), greedy_head=None, independent_rows=None,
+        rowwise=None)
 
 
 def _cross_rows(decoder: GPT2CrossAttentionDecoder):

@@ -57,6 +57,11 @@ class _Copy:
         """xattn's kernel, where it applies to x (few rows, kernels built); None otherwise."""
         return None
 
+    def rowwise(self, x: torch.Tensor) -> torch.Tensor:
+        """xattn's kernel at any number of rows, where the copy has one (each row's result independent of the rows
+        beside it); the library kernels otherwise."""
+        return self.forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The library kernels' product (oneDNN, torch, fbgemm)."""
         raise NotImplementedError
@@ -88,9 +93,12 @@ class PackedLinear(_Copy):
         self.bias = None if bias is None else bias.detach().float().clone()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        if _small(x, self.kernel_weight, LIMITS.packed_kernel_rows):
-            return kernels.matvec(x, self.kernel_weight, self.out_features, self.bias)
-        return None
+        return self.rowwise(x) if _small(x, self.kernel_weight, LIMITS.packed_kernel_rows) else None
+
+    def rowwise(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weight is None:
+            return self.forward(x)
+        return kernels.matvec(x, self.kernel_weight, self.out_features, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch_ops.linear_fp32(x, self.weight, self.bias)
@@ -121,15 +129,30 @@ class Int8Linear(_Copy):
         self.scales = quantized.q_per_channel_scales().float()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        if _small(x, self.kernel_weight, LIMITS.int8_kernel_rows):
-            return kernels.matvec_int8(x, self.kernel_weight, self.out_features, self.scales, self.bias)
-        return None
+        return self.rowwise(x) if _small(x, self.kernel_weight, LIMITS.int8_kernel_rows) else None
+
+    def rowwise(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weight is None:
+            return self.forward(x)
+        return kernels.matvec_int8(x, self.kernel_weight, self.out_features, self.scales, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch_ops.linear_int8(x, self.packed)
 
 
 _COPIES = {"packed": PackedLinear, "bf16": BF16Linear, "int8": Int8Linear}
+
+
+def independent_rows(kind: str) -> int | None:
+    """Rows up to which a format's products compute each row independently of the others (None: at any count,
+    as torch's own are taken to): int8 above LIMITS.int8_kernel_rows rows goes to fbgemm, which quantizes all of its
+    rows with one scale (without the kernels, from one row); packed above LIMITS.packed_kernel_rows to oneDNN, whose
+    sums run in another order."""
+    if kind == "int8":
+        return min(LIMITS.int8_kernel_rows, LIMITS.fused_fbgemm_rows - 1) if kernels.available() else 1
+    if kind == "packed" and kernels.available():
+        return min(LIMITS.packed_kernel_rows, LIMITS.fused_rows)
+    return None
 
 
 def check_kind(kind: str) -> str:

@@ -7,6 +7,8 @@ math as the decoder's own blocks, in another order of summation: logits differ b
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..cache import CrossAttentionCache
@@ -34,6 +36,14 @@ class FusedLayers:
         self.eps = float(blocks[0].ln_1.eps)
         self.scalings = [float(s) for s in scalings]
         self._lists = {cross: self._weights(projections, cross) for cross in {False, self.has_cross}}
+        self.independent = False  # every row independent of the others at any row count (see rowwise)
+
+    def rowwise(self) -> FusedLayers:
+        """This step at any number of rows with xattn's own products only: fbgemm's int8 products quantize all rows
+        with one scale, so a row's result would depend on the rows beside it (in-flight batching needs it not to)."""
+        twin = copy.copy(self)
+        twin.handle, twin.independent = registry.register(twin), True
+        return twin
 
     @staticmethod
     def _weights(projections, cross: bool):
@@ -68,10 +78,11 @@ class FusedLayers:
         return cls(transformer, projections, scalings, kind)
 
     def applies(self, rows: int, cache: CrossAttentionCache) -> bool:
-        return rows <= LIMITS.fused_rows and (not cache.has_cross or self.has_cross)
+        return (self.independent or rows <= LIMITS.fused_rows) and (not cache.has_cross or self.has_cross)
 
     def __call__(self, hidden: torch.Tensor, cache: CrossAttentionCache, position: torch.Tensor) -> torch.Tensor:
-        """hidden [B, D] -> [B, D] after every block; writes the step's K/V into the cache."""
+        """hidden [B, D] at position ([] or one per row, [B]) -> [B, D] after every block; writes the step's K/V into
+        the cache."""
         args = (hidden, cache.keys, cache.values, cache.cross_keys, cache.cross_values, cache.cross_mask,
                 cache.enc_index, position)
         if torch.compiler.is_compiling():  # one opaque op: the compiler cannot trace fbgemm's packed weights
@@ -80,10 +91,11 @@ class FusedLayers:
 
     def run(self, hidden, keys, values, cross_keys, cross_values, cross_mask, enc_index, position) -> torch.Tensor:
         weights, scales, biases, packed = self._lists[cross_keys is not None]
+        if self.independent or hidden.shape[0] < LIMITS.fused_fbgemm_rows:
+            packed = []
         return kernels.decoder_layers(
-            hidden, self.norm_weight, self.norm_bias, weights, scales, biases,
-            packed if hidden.shape[0] >= LIMITS.fused_fbgemm_rows else [], keys, values, cross_keys, cross_values,
-            cross_mask, enc_index, position, self.scalings, self.eps,
+            hidden, self.norm_weight, self.norm_bias, weights, scales, biases, packed, keys, values, cross_keys,
+            cross_values, cross_mask, enc_index, position, self.scalings, self.eps,
         )
 
 

@@ -138,6 +138,20 @@ class XattnModel:
             greedy_step=self._greedy_step,
         )
 
+    def inflight(self, max_rows: int = 16, encode_together: bool = True):
+        """An in-flight batching scheduler over this model (xattn/inflight.py), max_rows decoding rows: requests
+        built by request() join its decode batch while it runs; each gets the tokens generate() gives it alone.
+        encode_together=False encodes each newcomer alone (slower; bit for bit its lone encoder output)."""
+        from .inflight import scheduler
+
+        return scheduler(self, max_rows, encode_together)
+
+    def request(self, *args, **kwargs):
+        """generate()'s arguments for one input (a batch of one) as an in-flight request, checked now."""
+        from .inflight import request
+
+        return request(self, *args, **kwargs)
+
     def _plan(self, inputs: torch.Tensor | None = None, **kwargs) -> _Plan:
         """Check the inputs, run the encoder, fill the cache and prefill the prompt."""
         kwargs = dict(kwargs)
@@ -157,12 +171,7 @@ class XattnModel:
         prompt_length = prompt.shape[1]
         max_length = prompt_length + opts.max_new_tokens
         positions = max_length - 1  # the last token is never fed back: it needs no position
-        if self.decoder.embed_fn is None and positions > self.decoder.max_positions:
-            raise ValueError(
-                f"prompt ({prompt_length}) + max_new_tokens ({opts.max_new_tokens}) = {max_length} exceeds the "
-                f"decoder's n_positions ({self.decoder.max_positions}) + 1; lower max_new_tokens to at most "
-                f"{self.decoder.max_positions + 1 - prompt_length}"
-            )
+        self._check_room(prompt_length, opts)
         if cache_in is not None:
             cache = self._given_cache(cache_in, prompt, positions, encoder)
             logits = self.decoder.prefill(cache, input_ids=prompt[:, cache.length:])
@@ -179,6 +188,16 @@ class XattnModel:
         sequences = prompt.new_full((prompt.shape[0], max_length), opts.pad_token_id or 0)
         sequences[:, :prompt_length] = prompt
         return _Plan(opts, cache, prompt, sequences, prompt_length, logits)
+
+    def _check_room(self, prompt_length: int, opts: GenerationOptions) -> None:
+        """Refuse a prompt + max_new_tokens past n_positions + 1 (the last token is never fed back)."""
+        max_length = prompt_length + opts.max_new_tokens
+        if self.decoder.embed_fn is None and max_length - 1 > self.decoder.max_positions:
+            raise ValueError(
+                f"prompt ({prompt_length}) + max_new_tokens ({opts.max_new_tokens}) = {max_length} exceeds the "
+                f"decoder's n_positions ({self.decoder.max_positions}) + 1; lower max_new_tokens to at most "
+                f"{self.decoder.max_positions + 1 - prompt_length}"
+            )
 
     def _encoder_args(self, encoder_inputs: dict, kwargs: dict) -> _EncoderArgs:
         """Pop and check what the call gives for the encoder side; nothing runs yet."""

@@ -30,9 +30,9 @@ def average_logprobs(decoder: GPT2CrossAttentionDecoder, cache: CrossAttentionCa
     for start in range(0, rows, chunk):
         ids = sequences[start: start + chunk]
         replay = decoder.new_cache(ids.shape[0], length)
-        if cache.has_cross:
-            replay.set_cross(cache.cross_keys, cache.cross_values, cache.cross_mask)
+        if cache.has_cross:  # the chunk's rows read their encoder rows through enc_index (set first)
             replay.enc_index = enc_rows[start: start + chunk]
+            replay.set_cross(cache.cross_keys, cache.cross_values, cache.cross_mask)
         logits = decoder.prefill(replay, input_ids=ids[:, :-1], all_logits=True)[:, prompt_length - 1:]
         token_logprobs = logits.float().log_softmax(-1).gather(-1, ids[:, prompt_length:, None])[..., 0]
         totals.append((token_logprobs * counted[start: start + chunk]).sum(-1))

@@ -20,11 +20,13 @@ from fastapi.security import HTTPBearer
 from .. import __version__
 from .batcher import Batcher, QueueFull
 from .fields import SpeechRequest, flag, openai_temperature, request_options, with_generation_fields
+from .inflight import InflightBatcher
 from .limits import ApiError, LimitsMiddleware, add_error_handlers, deadline_left, file_error
 from .metrics import MeasuredMiddleware, Metrics
 from .options import FIELDS
 from .runners import (
     CaptionItem,
+    CaptionRequests,
     SpeechItem,
     Uploads,
     caption_batch,
@@ -51,6 +53,7 @@ class Settings:
     timeout_s: float = 60.0  # per-request deadline from its first byte (504)
     api_key: str | None = None  # bearer token required on /v1/ (401); None: open
     batching: bool = True  # False: one request at a time (max_batch_size 1)
+    inflight: bool = True  # captions join the running decode batch (serve/inflight.py); False: micro-batches
     max_seconds: float = 20.0  # the recognizer refuses longer audio, as `xattn transcribe --max-seconds`
     threads: int | None = None  # torch threads in this process; None: torch's default
 
@@ -101,9 +104,14 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         runs = {"caption": (models.captioner, caption_batch), "transcribe": (models.transcriber, transcribe_batch),
                 "speech": (models.speaker, speech_batch)}
         for task, (model, batch) in runs.items():
-            if model is not None:
+            if model is None:
+                continue
+            if task == "caption" and settings.batching and settings.inflight:  # max_batch_size: decoding rows
+                batchers[task] = InflightBatcher(task, CaptionRequests(model, metrics), batch_size, settings.max_queue,
+                                                 metrics)
+            else:
                 batchers[task] = Batcher(task, batch(model, metrics), batch_size, settings.max_queue, metrics)
-                batchers[task].start()
+            batchers[task].start()
         try:
             yield
         finally:

@@ -2,8 +2,8 @@
 that may share its batch (equal key: same task options) up to max_batch_size, runs the batch through the task's
 batched API in its own worker thread, and resolves each request's future.
 
-The app only calls `submit()` and reads `pending`: an in-flight engine scheduler (rows joining and leaving one
-decode batch) can take this class's place without the endpoints changing."""
+The app only calls `submit()` and reads `pending`: xattn/serve/inflight.py's InflightBatcher (requests joining and
+leaving one running decode batch) takes this class's place for captioning without the endpoints changing."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """The task APIs behind the endpoints: an upload is read with the CLI's own loader (the same hostile-input checks,
 the same one-line messages, the upload's name where the CLI names its file), and batches run through the same
-batched calls as `xattn caption` / `xattn transcribe` (Captioner.caption_results, Transcriber.transcribe_results);
-speech runs Speaker.stream, one request at a time, stopping between chunks when its client leaves."""
+batched calls as `xattn caption` / `xattn transcribe` (Captioner.caption_results, Transcriber.transcribe_results),
+or, for captioning with in-flight batching, one request at a time into the engine's running decode batch
+(CaptionRequests); speech runs Speaker.stream, one request at a time, stopping between chunks when its client
+leaves."""
 
 from __future__ import annotations
 
@@ -69,6 +71,30 @@ def caption_batch(captioner, metrics=None) -> Callable[[Any, list[CaptionItem]],
         return out
 
     return batch
+
+
+class CaptionRequests:
+    """Captioning through in-flight batching (xattn/serve/inflight.py): each request joins the captioner's running
+    decode batch on its own options; its record is caption_batch's for it alone."""
+
+    def __init__(self, captioner, metrics=None):
+        self.captioner, self.metrics = captioner, metrics
+
+    def scheduler(self, max_rows: int):
+        return self.captioner.engine.inflight(max_rows)
+
+    def request(self, key, item: CaptionItem):
+        """The engine's request (ValueError where the model refuses the options)."""
+        return self.captioner.engine.request(pixel_values=item.pixels[None], **key[0].generate_kwargs())
+
+    def record(self, key, item: CaptionItem, result) -> dict:
+        options, with_map = key[:2]
+        records = self.captioner.results(result.sequences, result.avg_logprob)
+        _count_tokens(self.metrics, "caption", self.captioner.tokenizer, [r["caption"] for r in records])
+        out = _per_item(records, "caption", options, 1)[0]
+        if with_map:
+            out["attention_map_png"] = _attention_map(self.captioner, item.image, options)
+        return out
 
 
 def _attention_map(captioner, image, options: Generation) -> str:

@@ -111,8 +111,13 @@ class Captioner:
     def caption_results(self, pixels: list[torch.Tensor], **generate_kwargs) -> list[dict]:
         """{"caption", "avg_logprob", "low_confidence"[, "low_confidence_reason"]} per caption (tasks/confidence)."""
         out = self.engine.generate(**self.encoder_inputs(pixels), return_dict_in_generate=True, **generate_kwargs)
-        texts = [text.strip() for text in self.tokenizer.batch_decode(out.sequences, skip_special_tokens=True)]
-        return self.confidence.results(texts, out.avg_logprob.tolist(), "caption")
+        return self.results(out.sequences, out.avg_logprob)
+
+    def results(self, sequences: torch.Tensor, avg_logprob: torch.Tensor) -> list[dict]:
+        """caption_results' records of generated sequences [n, T] and their avg_logprob [n] (also what the server's
+        in-flight batching gets back for a request)."""
+        texts = [text.strip() for text in self.tokenizer.batch_decode(sequences, skip_special_tokens=True)]
+        return self.confidence.results(texts, avg_logprob.tolist(), "caption")
 
     def encoder_inputs(self, pixels: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"pixel_values": torch.stack(pixels)}

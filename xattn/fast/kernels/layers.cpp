@@ -7,8 +7,10 @@
 //
 // Per layer: h += attn_out(self_attention(qkv(ln_1(h)))); h += cross_out(cross_attention(cross_q(ln_cross(h))));
 // h += mlp_out(gelu_tanh(mlp_in(ln_2(h)))). Layouts are the decoder's (xattn/cache.py): self K/V
-// [L, B, H, T_max, hd] written at `position`; cross K/V [L, B_enc, H, S, hd] read by row b at enc_index[b] or,
-// without it, at b / (B / B_enc); cross_mask [B_enc, S] true where an encoder position is real.
+// [L, B, H, T_max, hd] written at `position` (one for every row, or one per row: in-flight batching), each (layer,
+// row, head)'s positions contiguous but the rest strided as a range of a larger cache's rows is; cross K/V
+// [L, B_enc, H, S, hd] read by row b at enc_index[b] or, without it, at b / (B / B_enc); cross_mask [B_enc, S] true
+// where an encoder position is real.
 
 #include <ATen/ATen.h>
 #include <ATen/native/quantized/PackedParams.h>
@@ -168,20 +170,37 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
   // everything is checked before the cache is written, so a refused call leaves it as it was (all but the width of a
   // packed weight without a bias, which only its product shows)
   xattn::check_kind(hidden, at::kFloat, 2, false, "hidden [B, D]");
-  xattn::check_kind(keys, at::kFloat, 5, true, "keys [L, B, H, T_max, hd]");
+  xattn::check_kind(keys, at::kFloat, 5, false, "keys [L, B, H, T_max, hd]");
   const int64_t L = keys.size(0), B = hidden.size(0), D = hidden.size(1), H = keys.size(2), T = keys.size(3),
                 hd = keys.size(4);
   TORCH_CHECK(keys.size(1) == B && H * hd == D, "keys: the cache does not match hidden's rows or width: expected [L, B=",
               B, ", H, T_max, hd] with H * hd = D = ", D, ", got ", xattn::describe(keys));
-  xattn::check_tensor(values, at::kFloat, keys.sizes(), "values (keys' shape)");
+  // a cache's rows [start, stop) are a view whose layers and rows are strided; positions must be contiguous
+  TORCH_CHECK(keys.stride(4) == 1 && keys.stride(3) == hd && keys.stride(2) >= T * hd &&
+                  keys.stride(1) >= H * keys.stride(2) && keys.stride(0) >= B * keys.stride(1),
+              "keys [L, B, H, T_max, hd]: expected a contiguous cache or a range of its rows, got ",
+              xattn::describe(keys), " with strides ", keys.strides());
+  TORCH_CHECK(values.defined() && values.device().is_cpu() && values.scalar_type() == at::kFloat &&
+                  values.sizes().equals(keys.sizes()) && values.strides().equals(keys.strides()),
+              "values (keys' shape): expected a CPU float32 ", keys.sizes(), " tensor with keys' strides, got ",
+              xattn::describe(values));
   xattn::check_tensor(norm_weight, at::kFloat, {L, 3, D}, "norm_weight [L, 3, D]");
   xattn::check_tensor(norm_bias, at::kFloat, {L, 3, D}, "norm_bias [L, 3, D]");
   TORCH_CHECK(static_cast<int64_t>(scalings.size()) == L, "scalings: expected one per layer (", L, "), got ",
               scalings.size());
-  TORCH_CHECK(position.defined() && position.numel() == 1 && at::isIntegralType(position.scalar_type(), false),
-              "position: expected one integer, got ", xattn::describe(position));
-  const int64_t p = position.item<int64_t>();
-  TORCH_CHECK(p >= 0 && p < T, "position ", p, " is outside the cache (", T, " positions)");
+  TORCH_CHECK(position.defined() && position.dim() <= 1 && (position.numel() == 1 || position.numel() == B) &&
+                  at::isIntegralType(position.scalar_type(), false),
+              "position: expected one integer, or one per row (B=", B, "), got ", xattn::describe(position));
+  std::vector<int64_t> pos(B);  // each row's position
+  if (position.dim() == 0 || B == 1) {
+    std::fill(pos.begin(), pos.end(), position.item<int64_t>());
+  } else {
+    const at::Tensor rows = position.to(at::kLong).contiguous();
+    std::copy_n(rows.data_ptr<int64_t>(), B, pos.begin());
+  }
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < T, "position ", pos[b], (position.dim() ? c10::str(" (row ", b, ")") : ""),
+                " is outside the cache (", T, " positions)");
   const bool has_cross = cross_keys.has_value();
   const int64_t per_layer = has_cross ? 6 : 4;
   const std::vector<Weight> ws = projections(weights, scales, biases, packed, L, has_cross, D);
@@ -228,6 +247,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
   float* h = out.data_ptr<float>();
   float* kc = keys.data_ptr<float>();
   float* vc = values.data_ptr<float>();
+  const int64_t sL = keys.stride(0), sB = keys.stride(1), sH = keys.stride(2);
   const float* gammas = norm_weight.data_ptr<float>();
   const float* betas = norm_bias.data_ptr<float>();
   std::vector<float> x(B * D), attn(B * D), qkv(B * 3 * D), inner;
@@ -275,14 +295,14 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
     project(x.data(), qkv.data(), Store::kSet);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t head = 0; head < H; ++head) {
-        const int64_t at = (((l * B + b) * H + head) * T + p) * hd;
+        const int64_t at = l * sL + b * sB + head * sH + pos[b] * hd;
         std::copy_n(qkv.data() + b * 3 * D + D + head * hd, hd, kc + at);
         std::copy_n(qkv.data() + b * 3 * D + 2 * D + head * hd, hd, vc + at);
       }
     attention([&](int64_t b) { return qkv.data() + b * 3 * D; },
               [&](int64_t b, int64_t head, const float* q, std::vector<float>& scores, float* o) {
-                const int64_t at = ((l * B + b) * H + head) * T * hd;
-                attend(q, kc + at, vc + at, p + 1, hd, scale, nullptr, scores, o);
+                const int64_t at = l * sL + b * sB + head * sH;
+                attend(q, kc + at, vc + at, pos[b] + 1, hd, scale, nullptr, scores, o);
               });
     project(attn.data(), h, Store::kAdd);
 

@@ -173,9 +173,10 @@ void block_int8(const int8_t* xq, int64_t K32, const int8_t* block, const int8_t
   for (int r = 0; r < rows; ++r) {
     const int64_t n = n0 + r;
     for (int m = 0; m < M; ++m) {
-      float out = float(hsum_epi32(acc[m][r])) * x_scale[m] * scale[n];
-      if (bias) out += bias[n];
-      store(y + m * N + n, out, how);
+      // the bias by one explicit fma: left to the compiler, `a * b + c` was contracted in one instantiation of M and
+      // not in the other, and a row's result must not depend on how many rows are computed beside it
+      const float scaled = float(hsum_epi32(acc[m][r])) * x_scale[m];
+      store(y + m * N + n, bias ? std::fma(scaled, scale[n], bias[n]) : scaled * scale[n], how);
     }
   }
 }
