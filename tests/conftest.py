@@ -18,6 +18,18 @@ from transformers import (
 
 import xattn
 
+
+def _threads_restored():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+# A test or a module's fixture that sets torch's thread count must not change the tests after it (a run in this
+# process compared with one in a subprocess depends on it). Autouse fixtures come before the others of their scope.
+_torch_threads_restored_per_module = pytest.fixture(autouse=True, scope="module")(_threads_restored)
+_torch_threads_restored_per_test = pytest.fixture(autouse=True)(_threads_restored)
+
 VOCAB = 99
 BOS, EOS, PAD = 1, 2, 0
 

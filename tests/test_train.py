@@ -95,6 +95,8 @@ sys.path.insert(0, {tests!r})
 from test_train import RandomCaptions, collate, _dropout_model
 from xattn.train.loop import TrainConfig, train
 
+torch.set_num_threads({threads})  # the parent's: the uninterrupted run it is compared with ran so
+
 def slow_collate(rows):  # slow enough that the kill lands between checkpoints
     time.sleep(0.3)
     return collate(rows)
@@ -119,7 +121,8 @@ def test_run_killed_between_checkpoints_resumes_to_the_same_weights(tmp_path):
     train(whole, data, collate, TrainConfig(output_dir=str(tmp_path / "whole"), **kwargs), progress=False)
 
     out = str(tmp_path / "killed")
-    script = _KILLABLE_RUN.format(tests=os.path.dirname(__file__), out=out, kwargs=kwargs)
+    script = _KILLABLE_RUN.format(tests=os.path.dirname(__file__), out=out, kwargs=kwargs,
+                                  threads=torch.get_num_threads())
     proc = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.time() + 120
     while latest_checkpoint(out) is None and time.time() < deadline and proc.poll() is None:
