@@ -38,7 +38,33 @@ class _Request:
 BatchFunction = Callable[[Hashable | None, list], list]
 
 
-class Batcher:
+class QueuePolicy:
+    """What a batcher and the in-flight batcher share: refusing past max_queue waiting requests, the Retry-After they
+    suggest, and the queue-length metric. A subclass has name, max_batch_size, max_queue, metrics, `pending` and
+    _turn_seconds: the running mean time for max_batch_size places to turn over (a batch; a request's decoding)."""
+
+    name: str
+    max_batch_size: int
+    max_queue: int
+    metrics: Any
+    _turn_seconds: float = 1.0
+    pending: int
+
+    @property
+    def full(self) -> bool:
+        return self.pending >= self.max_queue
+
+    def retry_after(self) -> int:
+        """Seconds until the requests ahead of a new one have likely been taken (the mean turn time so far)."""
+        turns = math.ceil((self.pending + 1) / self.max_batch_size)
+        return max(1, math.ceil(turns * self._turn_seconds))
+
+    def _report_queue(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_length(self.name, self.pending)
+
+
+class Batcher(QueuePolicy):
     def __init__(self, name: str, run: BatchFunction, max_batch_size: int = 16, max_queue: int = 64,
                  metrics=None):
         self.name = name  # the task, for metrics and messages
@@ -50,21 +76,11 @@ class Batcher:
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"xattn-{name}")
         self._loop_task: asyncio.Task | None = None
-        self._batch_seconds = 1.0  # running mean, for Retry-After
 
     @property
     def pending(self) -> int:
         """Requests waiting for a batch (a cancelled one, its client gone or its deadline passed, is not counted)."""
         return sum(not r.future.done() for r in self._waiting)
-
-    @property
-    def full(self) -> bool:
-        return self.pending >= self.max_queue
-
-    def retry_after(self) -> int:
-        """Seconds until the batches ahead of a new request have likely run (the mean batch time so far)."""
-        batches_ahead = math.ceil((self.pending + 1) / self.max_batch_size)
-        return max(1, math.ceil(batches_ahead * self._batch_seconds))
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
@@ -104,7 +120,7 @@ class Batcher:
             outcomes = await loop.run_in_executor(self._executor, self._run_isolated, batch[0].key,
                                                   [r.item for r in batch])
             seconds = time.monotonic() - start
-            self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
+            self._turn_seconds = 0.8 * self._turn_seconds + 0.2 * seconds  # a batch: for Retry-After
             if self.metrics is not None:
                 self.metrics.batch_done(self.name, len(batch), seconds)
             for request, (ok, value) in zip(batch, outcomes):
@@ -144,6 +160,3 @@ class Batcher:
                 return [(False, error)]
             return [self._run_isolated(key, [item])[0] for item in items]
 
-    def _report_queue(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_length(self.name, self.pending)

@@ -11,14 +11,13 @@ item) -> the engine's request, record(key, item, result) -> the answer."""
 from __future__ import annotations
 
 import asyncio
-import math
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .batcher import QueueFull
+from .batcher import QueueFull, QueuePolicy
 
 
 @dataclass(eq=False)
@@ -31,7 +30,7 @@ class _Request:
     started: float | None = None  # when it joined the decode batch
 
 
-class InflightBatcher:
+class InflightBatcher(QueuePolicy):
     def __init__(self, name: str, runs, max_rows: int = 16, max_queue: int = 64, metrics=None):
         self.name, self.runs, self.metrics = name, runs, metrics
         self.max_batch_size = max_rows  # decoding rows (a request of k beams or samples takes k)
@@ -41,22 +40,12 @@ class InflightBatcher:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._request_seconds = 1.0  # running mean from joining to finishing, for Retry-After
 
     @property
     def pending(self) -> int:
         """Requests not yet in the decode batch (a cancelled one is not counted)."""
         with self._lock:
             return sum(r.started is None and not r.future.done() for r in self._open)
-
-    @property
-    def full(self) -> bool:
-        return self.pending >= self.max_queue
-
-    def retry_after(self) -> int:
-        """Seconds until the requests ahead of a new one have likely joined: rows turn over about once per request."""
-        turns = math.ceil((self.pending + 1) / self.max_batch_size)
-        return max(1, math.ceil(turns * self._request_seconds))
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -146,7 +135,8 @@ class InflightBatcher:
 
     def _finish(self, request: _Request, handle) -> None:
         if request.started is not None:
-            self._request_seconds = 0.8 * self._request_seconds + 0.2 * (time.monotonic() - request.started)
+            # rows turn over about once per request: its time from joining to finishing, for Retry-After
+            self._turn_seconds = 0.8 * self._turn_seconds + 0.2 * (time.monotonic() - request.started)
         if handle.error is not None:
             return self._settle(request, error=handle.error)
         try:
@@ -168,6 +158,3 @@ class InflightBatcher:
                 request.future.set_result(value)
         self._loop.call_soon_threadsafe(settle)
 
-    def _report_queue(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_length(self.name, self.pending)
