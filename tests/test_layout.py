@@ -8,7 +8,8 @@ import os
 import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xattn")
-CORE = ("xattn.cache", "xattn.decoder", "xattn.generate", "xattn.inflight", "xattn.logit_filters", "xattn.steps")
+CORE = ("xattn.cache", "xattn.decoder", "xattn.generate", "xattn.inflight", "xattn.logit_filters", "xattn.logprobs",
+        "xattn.steps")
 RULES = {  # layer -> what it may import from xattn (besides itself)
     "core": set(CORE),
     "fast": set(CORE),

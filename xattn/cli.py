@@ -23,6 +23,8 @@ def _bench(args) -> int:
         check_output(args.chart, "--chart", (".png",))
     if args.tts:
         return _bench_tts(args)
+    if args.serve:
+        return _bench_serve(args)
 
     rows = list(bench.ROWS)[:1] if args.quick else list(bench.ROWS)
     if args.rows:
@@ -68,7 +70,8 @@ def _bench_tts(args) -> int:
         print("xattn bench: --tts builds coqui-tts' XTTS GPT: pip install -e '.[tts-pipelines]'", file=sys.stderr)
         return 2
     mixed = [option for option, value in (("--quick", args.quick), ("--rows", args.rows), ("--compile", args.compile),
-                                          ("--end-to-end", args.end_to_end), ("--chart", args.chart)) if value]
+                                          ("--end-to-end", args.end_to_end), ("--chart", args.chart),
+                                          ("--serve", args.serve)) if value]
     if mixed:
         print(f"xattn bench: --tts runs alone; drop {' '.join(mixed)}", file=sys.stderr)
         return 2
@@ -82,6 +85,44 @@ def _bench_tts(args) -> int:
         tts.save(report, args.json)
         print(f"\nwrote {args.json}")
     return 0 if tts.identical(report) else 1
+
+
+def _bench_serve(args) -> int:
+    import time
+
+    from .bench import serve
+    from .bench.decode import machine
+    from .fast.formats import KINDS
+
+    mixed = [option for option, value in (("--quick", args.quick), ("--rows", args.rows), ("--compile", args.compile),
+                                          ("--end-to-end", args.end_to_end), ("--tts", args.tts)) if value]
+    if mixed:
+        print(f"xattn bench: --serve runs alone; drop {' '.join(mixed)}", file=sys.stderr)
+        return 2
+    for weights in args.serve_weights:
+        decoder, _, encoder = weights.partition("+")
+        if decoder not in KINDS or (encoder and encoder not in KINDS):
+            print(f"xattn bench: --serve-weights {weights!r}: a format ({', '.join(KINDS)}), or decoder+encoder "
+                  "formats such as int8+int8", file=sys.stderr)
+            return 2
+    for path in args.serve_images or []:
+        if not os.path.isfile(path):
+            print(f"xattn bench: --serve-images: no such file {path}", file=sys.stderr)
+            return 2
+    report = serve.run(weights=args.serve_weights, clients=args.serve_clients, seconds=args.serve_seconds,
+                       soak_s=args.serve_soak_s, max_new_tokens=args.serve_tokens,
+                       max_batch_size=args.serve_max_batch_size, threads=args.threads,
+                       image_paths=args.serve_images, checkpoint=args.serve_captioner)
+    print()
+    print(serve.table(report))
+    if args.json:
+        serve.save(report, args.json)
+        print(f"\nwrote {args.json}")
+    if args.chart:
+        serve.draw(report, args.chart, title=f"{machine()}, {time.strftime('%F')}")
+        print(f"wrote {args.chart}")
+    same = all(share == 1.0 for name, share in serve.parity(report).items() if "(exact)" in name)
+    return 0 if serve.failed(report) == 0 and same else 1
 
 
 def _generation_kwargs(args) -> dict:
@@ -218,7 +259,8 @@ def _serve(args) -> int:
                         max_upload_mb=args.max_upload_mb, timeout_s=args.timeout_s,
                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         batching=not args.no_batching, inflight=not args.no_inflight, max_seconds=args.max_seconds,
-                        threads=threads)
+                        threads=threads, weights=args.weights,
+                        encoder_weights=args.encoder_weights)
     common = dict(host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_shutdown_s,
                   log_level="warning" if args.quiet else "info")
     if args.workers == 1:  # models load here, so a bad --captioner is a one-line error before the port opens
@@ -326,6 +368,22 @@ def _bench_parser(commands) -> argparse.ArgumentParser:
     tts.add_argument("--tts-heads", type=POSITIVE, default=16, help="attention heads (XTTS v2: 16)")
     tts.add_argument("--tts-tokens", type=POSITIVE, default=250, help="audio codes per call (250: 11.6 s of audio)")
     tts.add_argument("--tts-text-tokens", type=POSITIVE, default=100, help="text ids in the prefix")
+    load = bench.add_argument_group("--serve: HTTP load on /v1/caption, xattn serve (in-flight, one at a time) vs "
+                                    "transformers' generate behind the same API")
+    load.add_argument("--serve", action="store_true", help="run this bench instead (loopback, one server at a time)")
+    load.add_argument("--serve-clients", type=POSITIVE, nargs="+", default=[1, 8, 32, 128], metavar="N",
+                      help="concurrent clients of each level")
+    load.add_argument("--serve-seconds", type=number(0, low_open=True), default=60.0, help="seconds per level")
+    load.add_argument("--serve-soak-s", type=number(0), default=600.0, help="then this many seconds at 32 clients "
+                      "on the first server, its RSS sampled each second (0: no soak)")
+    load.add_argument("--serve-weights", nargs="+", default=["exact"], metavar="FORMAT", help="xattn's servers in "
+                      "each of these weight formats: exact, packed, bf16, int8, or decoder+encoder as int8+int8")
+    load.add_argument("--serve-tokens", type=POSITIVE, default=16, help="max_new_tokens of each request")
+    load.add_argument("--serve-max-batch-size", type=POSITIVE, default=32, help="the batching servers' "
+                      "--max-batch-size")
+    load.add_argument("--serve-images", nargs="+", metavar="FILE", help="images to post (default: the shipped "
+                      "samples, data/samples/scene-*)")
+    load.add_argument("--serve-captioner", metavar="DIR", help="this checkpoint instead of the benchmark model")
     bench.set_defaults(run=_bench)
     return bench
 
@@ -375,6 +433,8 @@ def _speak_parser(commands) -> argparse.ArgumentParser:
 
 
 def _serve_parser(commands) -> argparse.ArgumentParser:
+    from .fast.formats import KINDS
+
     serve = commands.add_parser("serve", help="HTTP service: /v1/caption, /v1/audio/transcriptions, /v1/audio/speech "
                                 "(FastAPI + uvicorn; API docs at /docs)")
     for name, kind in (("captioner", "VisionEncoderDecoder"), ("recognizer", "SpeechEncoderDecoder"),
@@ -395,6 +455,11 @@ def _serve_parser(commands) -> argparse.ArgumentParser:
                        "(504 beyond it; a request still waiting is dropped)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (401 without it); default: "
                        "the XATTN_API_KEY environment variable, else open")
+    serve.add_argument("--weights", default="exact", choices=KINDS, help="the captioner's and recognizer's decoder "
+                       "weight format (as xattn caption --weights)")
+    serve.add_argument("--encoder-weights", choices=KINDS, help="their encoders' weight format too (int8: a "
+                       "ViT's matmuls in int8, with the decoder's cross K/V projection); default: transformers' "
+                       "own encoder in fp32")
     serve.add_argument("--no-batching", action="store_true", help="run one request at a time")
     serve.add_argument("--no-inflight", action="store_true", help="caption in micro-batches of the requests that "
                        "wait together, instead of joining each request to the running decode batch")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .cache import CrossAttentionCache
 from .logit_filters import MinNewTokens, build_filters
+from .logprobs import ChosenLogprobs
 
 # (tokens [B], cache) -> logits [B, V]: one decode step at the cache's position, which it advances
 DecodeStep = Callable[[torch.Tensor, CrossAttentionCache], torch.Tensor]
@@ -196,7 +197,7 @@ class SamplingDecoder(GreedyDecoder):
 
 def sample_stream(
     step: DecodeStep, cache: CrossAttentionCache, sequences: torch.Tensor, prompt_length: int, logits: torch.Tensor,
-    opts: GenerationOptions, greedy_step: GreedyStep | None = None,
+    opts: GenerationOptions, greedy_step: GreedyStep | None = None, logprobs: ChosenLogprobs | None = None,
 ) -> Iterator[torch.Tensor]:
     """Greedy or sampled tokens, one [B] tensor per step, written into sequences [B, prompt + max_new].
 
@@ -204,6 +205,7 @@ def sample_stream(
     when every row has stopped or max_new_tokens are out. Each step writes at the cache's own position (after
     any prefix of embeddings the prefill wrote, which has no token ids). greedy_step: used instead of step where
     the choice is a plain argmax (greedy, no filter but min-length): it returns the tokens, not the logits.
+    logprobs: filled with each chosen token's log-probability where every step gives logits.
     """
     decoder = (SamplingDecoder if opts.do_sample else GreedyDecoder)(
         opts, prompt_length, sequences.shape[0], sequences.device)
@@ -211,10 +213,15 @@ def sample_stream(
     fused_argmax = (greedy_step is not None and not opts.do_sample
                     and all(f is decoder.min_length for f in decoder.filters))
     chosen = None  # the greedy_step's tokens for this step
+    if logprobs is not None and fused_argmax and opts.max_new_tokens > 1:
+        logprobs.complete = False
     for i in range(opts.max_new_tokens):
         cur = prompt_length + i
+        own = logits.float().log_softmax(-1) if logprobs is not None and chosen is None else None
         tokens, done = decoder.update(sequences[:, :cur], logits, chosen)
         sequences[:, cur] = tokens
+        if own is not None:
+            logprobs.add(own, tokens)
         yield tokens
         if done or i + 1 == opts.max_new_tokens:
             return

@@ -32,6 +32,7 @@ import torch
 from .cache import CrossAttentionCache
 from .decoder import GPT2CrossAttentionDecoder
 from .generate import BeamSearchDecoder, GenerationOptions, GreedyDecoder, SamplingDecoder
+from .logprobs import ChosenLogprobs
 
 # inputs of one encoder call (Request.encoder_input of requests with equal encoder_key) ->
 # (encoder_hidden_states [n, S, D], encoder_attention_mask [n, S] or None)
@@ -85,13 +86,16 @@ class _Search:
             opts, self.prompt_length, prompt.shape[0], prompt.device)
         self.sequences = prompt.new_full((prompt.shape[0], self.prompt_length + self.max_new), opts.pad_token_id or 0)
         self.sequences[:, :self.prompt_length] = prompt
+        self.logprobs = ChosenLogprobs(prompt.shape[0], self.max_new, prompt.device)  # beams: hf/scores.py replays
 
     def update(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         if self.beams is not None:
             return self.beams.update(logits)
         cur = self.prompt_length + self.steps  # as generate's sample_stream
+        own = logits.float().log_softmax(-1)  # before the search's processors, which may change logits in place
         tokens, done = self.decoder.update(self.sequences[:, :cur], logits)
         self.sequences[:, cur] = tokens
+        self.logprobs.add(own, tokens)
         self.steps += 1
         return None if done or self.steps == self.max_new else (None, tokens)
 
@@ -99,6 +103,12 @@ class _Search:
         if self.beams is not None:
             return self.beams.finalize()
         return self.sequences[:, :self.prompt_length + self.steps], None
+
+    def avg_logprob(self, eos_token_ids: list[int]) -> torch.Tensor | None:
+        """[k] the mean log-probability of each row's tokens up to and including its first EOS (None for beams)."""
+        if self.beams is not None:
+            return None
+        return self.logprobs.average(self.sequences[:, self.prompt_length:], eos_token_ids)
 
 
 @dataclass(eq=False)
@@ -340,8 +350,10 @@ class Scheduler:
         request = run.handle.request
         avg_logprob = None
         if self.score is not None:
-            avg_logprob = self.score(self._own_cache(run), sequences, request.prompt.numel(),
-                                     list(request.options.eos_token_id))
+            eos = list(request.options.eos_token_id)
+            avg_logprob = run.search.avg_logprob(eos)
+            if avg_logprob is None:
+                avg_logprob = self.score(self._own_cache(run), sequences, request.prompt.numel(), eos)
         run.handle.result = Result(sequences, scores, avg_logprob)
         self._release(run)
         return True

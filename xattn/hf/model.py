@@ -17,6 +17,7 @@ from torch import nn
 from ..cache import CrossAttentionCache
 from ..decoder import GPT2CrossAttentionDecoder, advancing
 from ..generate import GenerationOptions, beam_search, sample_stream
+from ..logprobs import ChosenLogprobs
 from .scores import average_logprobs
 
 _ENCODER_INPUTS = ("pixel_values", "input_features", "input_values")
@@ -117,13 +118,18 @@ class XattnModel:
         if plan.opts.num_beams > 1:
             sequences, scores = beam_search(self._decode_step, plan.cache, plan.prompt, plan.logits, plan.opts)
         else:
+            logprobs = ChosenLogprobs(plan.sequences.shape[0], plan.opts.max_new_tokens, plan.sequences.device) \
+                if return_dict_in_generate else None
             steps = sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits,
-                                  plan.opts, greedy_step=self._greedy_step)
+                                  plan.opts, greedy_step=self._greedy_step, logprobs=logprobs)
             generated = sum(1 for _ in steps)
             sequences = plan.sequences[:, : plan.prompt_length + generated]
         if return_dict_in_generate:
-            avg_logprob = average_logprobs(self.decoder, plan.cache, sequences, plan.prompt_length,
-                                           list(plan.opts.eos_token_id))
+            eos = list(plan.opts.eos_token_id)
+            if scores is None and logprobs.complete:  # added up as the tokens were chosen
+                avg_logprob = logprobs.average(sequences[:, plan.prompt_length:], eos)
+            else:  # beams, or the fused greedy argmax: replayed
+                avg_logprob = average_logprobs(self.decoder, plan.cache, sequences, plan.prompt_length, eos)
             return GenerateOutput(sequences=sequences, sequences_scores=scores, cache=plan.cache,
                                   avg_logprob=avg_logprob)
         return sequences

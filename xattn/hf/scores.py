@@ -1,7 +1,8 @@
 """How sure the model was of what it generated: each sequence's average token log-probability, as faster-whisper's
 avg_logprob (the generated tokens up to and including the first EOS, each scored by the model's own distribution,
 before temperature, top-k/top-p or penalties). Scored by replaying the finished sequences once through the decoder,
-so every search (greedy, sampling, beams) and every weight format is scored the same way."""
+so every search (greedy, sampling, beams) and every weight format is scored the same way (in-flight batching
+adds them up as each token is chosen instead, except for beams: xattn/inflight.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from ..cache import CrossAttentionCache
 from ..decoder import GPT2CrossAttentionDecoder
+from ..logprobs import up_to_first_eos
 
 _LOGIT_BUDGET = 2**24  # floats of logits per replayed chunk of rows (vocabularies run to 50k+ tokens)
 
@@ -21,7 +23,7 @@ def average_logprobs(decoder: GPT2CrossAttentionDecoder, cache: CrossAttentionCa
     cache: the one the sequences were generated with; only its cross K/V are read."""
     rows, length = sequences.shape
     generated = sequences[:, prompt_length:]
-    counted = _up_to_first_eos(generated, eos_token_ids)
+    counted = up_to_first_eos(generated, eos_token_ids)
     if generated.shape[1] == 0:
         return torch.full((rows,), float("nan"))
     enc_rows = _encoder_rows(cache, rows)
@@ -38,15 +40,6 @@ def average_logprobs(decoder: GPT2CrossAttentionDecoder, cache: CrossAttentionCa
         totals.append((token_logprobs * counted[start: start + chunk]).sum(-1))
     count = counted.sum(-1)
     return torch.where(count > 0, torch.cat(totals) / count.clamp(min=1), float("nan")).cpu()
-
-
-def _up_to_first_eos(generated: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """[rows, new] float, 1 for the tokens a row generated before and at its first EOS (the pad after it: 0)."""
-    if not eos_token_ids:
-        return torch.ones_like(generated, dtype=torch.float32)
-    is_eos = torch.isin(generated, torch.tensor(eos_token_ids, device=generated.device))
-    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before each position
-    return (eos_before == 0).float()
 
 
 def _encoder_rows(cache: CrossAttentionCache, rows: int) -> torch.Tensor | None:

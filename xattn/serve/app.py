@@ -56,6 +56,8 @@ class Settings:
     inflight: bool = True  # captions join the running decode batch (serve/inflight.py); False: micro-batches
     max_seconds: float = 20.0  # the recognizer refuses longer audio, as `xattn transcribe --max-seconds`
     threads: int | None = None  # torch threads in this process; None: torch's default
+    weights: str = "exact"  # the captioner's and recognizer's decoder weight format, as `xattn caption --weights`
+    encoder_weights: str | None = None  # their encoders' format too (XattnModel.with_weights); None: transformers'
 
 
 class Models:
@@ -75,14 +77,19 @@ def _load(kind: str, settings: Settings):
     if kind == "captioner":
         from ..tasks.captioning import Captioner
 
-        return Captioner(name)
-    if kind == "recognizer":
+        model = Captioner(name, weights="exact" if settings.encoder_weights else settings.weights)
+    elif kind == "recognizer":
         from ..tasks.transcription import Transcriber
 
-        return Transcriber(name, max_seconds=settings.max_seconds)
-    from ..tasks.speech_synthesis import Speaker
+        model = Transcriber(name, max_seconds=settings.max_seconds,
+                            weights="exact" if settings.encoder_weights else settings.weights)
+    else:
+        from ..tasks.speech_synthesis import Speaker
 
-    return Speaker(name)
+        return Speaker(name)
+    if settings.encoder_weights:  # formats are applied to the exact model, decoder and encoder together
+        model.engine = model.engine.with_weights(settings.weights, settings.encoder_weights)
+    return model
 
 
 def create_app(settings: Settings | None = None, *, captioner=None, transcriber=None, speaker=None) -> FastAPI:
