@@ -16,6 +16,16 @@ def up_to_first_eos(generated: torch.Tensor, eos_token_ids: list[int]) -> torch.
     return (eos_before == 0).float()
 
 
+def mean_up_to_first_eos(token_logprobs: torch.Tensor, generated: torch.Tensor, eos_token_ids: list[int]
+                         ) -> torch.Tensor:
+    """[rows] avg_logprob: the mean of token_logprobs [rows, new] (each generated token's [rows, new]) over the
+    tokens up to and including each row's first EOS; NaN for a row with none."""
+    counted = up_to_first_eos(generated, eos_token_ids)
+    count = counted.sum(-1)
+    total = (token_logprobs * counted).sum(-1)
+    return torch.where(count > 0, total / count.clamp(min=1), float("nan")).cpu()
+
+
 class ChosenLogprobs:
     """Each chosen token's log-probability under the model's own distribution (before any filter), taken from the
     logits that chose it: avg_logprob without replaying the sequences. `complete` is False where a step never gave
@@ -32,7 +42,4 @@ class ChosenLogprobs:
 
     def average(self, generated: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
         """[rows] the mean over each row's generated tokens [rows, steps] up to and including its first EOS."""
-        counted = up_to_first_eos(generated[:, :self.steps], eos_token_ids)
-        count = counted.sum(-1)
-        total = (self.values[:, :self.steps] * counted).sum(-1)
-        return torch.where(count > 0, total / count.clamp(min=1), float("nan")).cpu()
+        return mean_up_to_first_eos(self.values[:, :self.steps], generated[:, :self.steps], eos_token_ids)

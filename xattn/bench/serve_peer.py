@@ -9,6 +9,7 @@ import argparse
 
 import torch
 
+from ..logprobs import mean_up_to_first_eos
 from ..tasks.captioning import Captioner
 
 
@@ -33,12 +34,9 @@ class TransformersCaptioner(Captioner):
                                    output_scores=True, **generate_kwargs)
         scores = self.engine.compute_transition_scores(out.sequences, out.scores, out.get("beam_indices"),
                                                        normalize_logits=True)
-        generated = out.sequences[:, -scores.shape[1]:]
         eos = self.engine.generation_config.eos_token_id
-        is_eos = torch.isin(generated, torch.tensor(eos if isinstance(eos, list) else [eos]))
-        # the first EOS counts, what follows it does not
-        before = (is_eos.cumsum(dim=1) - is_eos.long()) == 0
-        avg_logprob = (scores * before).sum(dim=1) / before.sum(dim=1).clamp(min=1)
+        avg_logprob = mean_up_to_first_eos(scores, out.sequences[:, -scores.shape[1]:],
+                                           eos if isinstance(eos, list) else [eos])
         return self.results(out.sequences, avg_logprob)
 
 

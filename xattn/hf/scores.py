@@ -1,8 +1,9 @@
 """How sure the model was of what it generated: each sequence's average token log-probability, as faster-whisper's
 avg_logprob (the generated tokens up to and including the first EOS, each scored by the model's own distribution,
-before temperature, top-k/top-p or penalties). Scored by replaying the finished sequences once through the decoder,
-so every search (greedy, sampling, beams) and every weight format is scored the same way (in-flight batching
-adds them up as each token is chosen instead, except for beams: xattn/inflight.py)."""
+before temperature, top-k/top-p or penalties). Greedy and sampling add them up as each token is chosen
+(xattn/logprobs.py, in generate and in in-flight batching); here the finished sequences are replayed once through the
+decoder, for beam search (whose rows are reordered) and for steps that never gave full logits (the packed format's
+fused greedy argmax)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from ..cache import CrossAttentionCache
 from ..decoder import GPT2CrossAttentionDecoder
-from ..logprobs import up_to_first_eos
+from ..logprobs import mean_up_to_first_eos
 
 _LOGIT_BUDGET = 2**24  # floats of logits per replayed chunk of rows (vocabularies run to 50k+ tokens)
 
@@ -23,12 +24,11 @@ def average_logprobs(decoder: GPT2CrossAttentionDecoder, cache: CrossAttentionCa
     cache: the one the sequences were generated with; only its cross K/V are read."""
     rows, length = sequences.shape
     generated = sequences[:, prompt_length:]
-    counted = up_to_first_eos(generated, eos_token_ids)
     if generated.shape[1] == 0:
         return torch.full((rows,), float("nan"))
     enc_rows = _encoder_rows(cache, rows)
     chunk = max(1, _LOGIT_BUDGET // (length * decoder.transformer.config.vocab_size))
-    totals = []
+    token_logprobs = []
     for start in range(0, rows, chunk):
         ids = sequences[start: start + chunk]
         replay = decoder.new_cache(ids.shape[0], length)
@@ -36,10 +36,8 @@ def average_logprobs(decoder: GPT2CrossAttentionDecoder, cache: CrossAttentionCa
             replay.enc_index = enc_rows[start: start + chunk]
             replay.set_cross(cache.cross_keys, cache.cross_values, cache.cross_mask)
         logits = decoder.prefill(replay, input_ids=ids[:, :-1], all_logits=True)[:, prompt_length - 1:]
-        token_logprobs = logits.float().log_softmax(-1).gather(-1, ids[:, prompt_length:, None])[..., 0]
-        totals.append((token_logprobs * counted[start: start + chunk]).sum(-1))
-    count = counted.sum(-1)
-    return torch.where(count > 0, torch.cat(totals) / count.clamp(min=1), float("nan")).cpu()
+        token_logprobs.append(logits.float().log_softmax(-1).gather(-1, ids[:, prompt_length:, None])[..., 0])
+    return mean_up_to_first_eos(torch.cat(token_logprobs), generated, eos_token_ids)
 
 
 def _encoder_rows(cache: CrossAttentionCache, rows: int) -> torch.Tensor | None:
