@@ -73,6 +73,30 @@ def test_three_shape_scenes_scale_small_and_large_shapes_by_the_spec():
                if s.size == "small")
 
 
+def test_training_scenes_can_draw_small_shapes_at_both_readings_with_the_specs_captions(tmp_path):
+    from PIL import Image
+
+    from xattn.datasets.scenes import write_imagefolder
+
+    write_imagefolder(str(tmp_path / "unscaled"), 40, 6, progress=False, small_scales=(1.0, 1.0))
+    write_imagefolder(str(tmp_path / "mixed"), 40, 6, progress=False, small_scales=(0.8, 1.0))
+    write_imagefolder(str(tmp_path / "spec"), 40, 6, progress=False)
+    lines = {name: [json.loads(line) for line in open(tmp_path / name / "metadata.jsonl")]
+             for name in ("unscaled", "mixed", "spec")}
+    assert [r["text"] for r in lines["mixed"]] == [r["text"] for r in lines["spec"]] == \
+        [scene_for(6, i).caption for i in range(40)]
+    pixels = {name: [Image.open(tmp_path / name / r["file_name"]).tobytes() for r in rows]
+              for name, rows in lines.items()}
+    assert pixels["unscaled"] == [draw(scene_for(6, i, small_scale=1.0)).tobytes() for i in range(40)]
+    three_small = [i for i in range(40) if any(len(scene_for(6, i).shapes) == 3 and s.size == "small"
+                                               for s in scene_for(6, i).shapes)]
+    assert three_small  # only these differ between the readings; the mixed set draws some at neither end
+    differs = [i for i in three_small if pixels["mixed"][i] not in (pixels["spec"][i], pixels["unscaled"][i])]
+    assert len(differs) >= len(three_small) // 2
+    same = [i for i in range(40) if i not in three_small]
+    assert all(pixels["mixed"][i] == pixels["spec"][i] == pixels["unscaled"][i] for i in same)
+
+
 # ---- xattn train --augment ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def scenes(tmp_path_factory):

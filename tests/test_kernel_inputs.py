@@ -200,8 +200,11 @@ def test_a_refused_step_leaves_the_cache_as_it_was():
 
 
 def _products(int8):
-    """matvec's or matvec_int8's valid arguments for x [2, 40] times an [N = 5, K = 40] weight."""
+    """matvec's, matvec_rows' (int8 None) or matvec_int8's valid arguments for x [2, 40] times an [N = 5, K = 40]
+    weight."""
     x, bias = _randn(2, 40), _randn(5)
+    if int8 is None:
+        return kernels.matvec_rows, dict(x=x, weight=_randn(5, 40), bias=bias)
     if int8:
         blocks, scale, _ = _quantized(5, 40)
         return kernels.matvec_int8, dict(x=x, blocks=blocks, n=5, scale=scale, bias=bias)
@@ -218,6 +221,15 @@ PRODUCT_CASES = [  # (int8, change, message)
                  id="panels for fewer columns"),
     pytest.param(True, _set(n=lambda: 9), r"weight: expected contiguous CPU int8 blocks \[2, 2, 8, 32\]",
                  id="blocks for fewer columns"),
+    pytest.param(None, _set(bias=lambda: _randn(4)), r"bias: expected", id="rows: bias too short"),
+    pytest.param(None, _edit("x", lambda x: x[:, :39]), r"x's last dimension \(39\) must be the weight's K \(40\)",
+                 id="rows: x narrower"),
+    pytest.param(None, _edit("weight", lambda w: w.t().contiguous().t()), r"weight: expected a contiguous",
+                 id="rows: non-contiguous weight"),
+    pytest.param(None, _edit("weight", torch.Tensor.double), r"weight: expected a contiguous CPU float32",
+                 id="rows: float64 weight"),
+    pytest.param(None, _edit("weight", lambda w: w[None]), r"weight: expected .* with 2 dimensions",
+                 id="rows: weight [1, N, K]"),
     pytest.param(True, _edit("scale", torch.Tensor.double), r"scale: expected", id="float64 scale"),
     pytest.param(True, _edit("scale", lambda s: s[:, None]), r"scale: expected", id="scale [N, 1]"),
     pytest.param(True, _edit("scale", _non_contiguous), r"scale: expected", id="non-contiguous scale"),
@@ -239,7 +251,7 @@ def head_args():
     from xattn.fast.greedy_head import GreedyHead
 
     head = GreedyHead(PackedLinear(_randn(40, 32), _randn(40)))
-    return dict(x=_randn(2, 32), weight_panels=head.panels, bias=head.bias, screen=head.screen, scale=head.scales,
+    return dict(x=_randn(2, 32), weight=head.weight, bias=head.bias, screen=head.screen, scale=head.scales,
                 bounds=head.bounds, forbidden=torch.tensor([2]))
 
 
@@ -247,7 +259,10 @@ HEAD_CASES = [
     _case(_edit("bounds", lambda b: b[:2].contiguous()), r"bounds: expected", "bounds [2, N]"),
     _case(_edit("screen", lambda s: s.view(5, 1, 16, 16)), r"screen \(the head's int8 copy",
           "screen with another inner layout"),
-    _case(_set(weight_panels=_panels(40, 16)), r"panels \(the head's fp32 weight", "panels with another K"),
+    _case(_set(weight=lambda: _randn(40, 16)), r"weight \(the head's fp32 weight", "weight with another K"),
+    _case(_set(weight=_panels(40, 32)), r"weight \(the head's fp32 weight", "the weight's panels"),
+    _case(_edit("weight", lambda w: w.t().contiguous().t()), r"weight \(the head's fp32 weight",
+          "non-contiguous weight"),
     _case(_set(bias=lambda: _randn(39)), r"bias: expected", "bias too short"),
     _case(_set(bias=lambda: _randn(40).double()), r"bias: expected", "float64 bias"),
     _case(_edit("scale", _non_contiguous), r"scale: expected", "non-contiguous scale"),

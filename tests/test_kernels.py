@@ -36,6 +36,10 @@ def test_fp32_and_int8_products_equal_torch_within_rounding(rows, k, n):
     # each product is one FMA chain in k order, whatever the rows beside it: row by row gives the same bits
     assert torch.equal(torch.cat([kernels.matvec(x[i:i + 1], kernels.panels(weight), n, bias) for i in range(rows)]),
                        fp32)
+    # the weight read in place: each product one dot product in a fixed order, whatever the rows beside it
+    in_place = kernels.matvec_rows(x, weight, bias)
+    assert in_place.shape == (rows, n) and torch.allclose(in_place.double(), expected, atol=1e-3, rtol=1e-4)
+    assert torch.equal(torch.cat([kernels.matvec_rows(x[i:i + 1], weight, bias) for i in range(rows)]), in_place)
     # int8: the same product with x rounded to 8 bits per row (as the kernel does) is exact in int32
     scales = weight.abs().amax(dim=1) / 127
     quantized = (weight / scales[:, None]).round().to(torch.int8)

@@ -90,6 +90,39 @@ def test_exact_weights_are_the_models_own_tensors_not_copies():
     assert decoder.steps.lm_head.module is model.decoder.lm_head
 
 
+def test_packed_holds_one_copy_panels_for_conv1d_and_the_head_read_in_place():
+    model = tiny_captioner(seed=48)
+    steps = xattn.from_hf(model, weights="packed").decoder.steps
+    conv, lm_head = model.decoder.transformer.h[0].attn.c_attn, model.decoder.lm_head
+    qkv, head = steps.projections[0]["qkv"], steps.lm_head
+    # oneDNN's many-row product reads the Conv1D's own tensor (seen transposed), xattn's kernel its panels
+    assert qkv.weight.data_ptr() == conv.weight.data_ptr() and qkv.kernel_weight is not None and not qkv.in_place
+    # the head has no copy: both products read the model's tensor
+    assert head.in_place and head.kernel_weight is None and head.weight.data_ptr() == lm_head.weight.data_ptr()
+    generator = torch.Generator().manual_seed(9)
+    for rows in (1, 3, 64, 65, 130):  # xattn's kernel up to 64 rows, oneDNN's above
+        x = torch.randn(rows, conv.weight.shape[0], generator=generator)
+        assert torch.allclose(qkv(x), conv(x), atol=1e-5)
+        assert torch.allclose(head(x), lm_head(x), atol=1e-5)
+
+
+def test_int8_makes_fbgemms_copy_only_when_a_product_needs_it():
+    from xattn.fast.formats import Int8Linear
+    from xattn.fast.torch_ops import linear_int8, prepack_int8
+
+    engine = xattn.from_hf(tiny_captioner(seed=49), weights="int8")
+    copies = [p for block in engine.decoder.projections for p in block.values()] + [engine.decoder.steps.lm_head]
+    engine.generate(pixel_values=torch.randn(1, 3, 32, 32), max_new_tokens=6)  # one row: xattn's kernel only
+    assert all(isinstance(c, Int8Linear) and c._packed is None for c in copies)
+    engine.generate(pixel_values=torch.randn(2, 3, 32, 32), max_new_tokens=6, num_beams=4)  # 8 rows: fbgemm's
+    assert all(c._packed is not None for c in copies)
+    # fbgemm's copy made later from the kernel's blocks is the one made from the weight at once
+    generator = torch.Generator().manual_seed(10)
+    weight, bias, x = (torch.randn(40, 64, generator=generator), torch.randn(40, generator=generator),
+                       torch.randn(9, 64, generator=generator))
+    assert torch.equal(Int8Linear(weight, bias).forward(x), linear_int8(x, prepack_int8(weight, bias)[1]))
+
+
 def test_copies_are_released_with_their_decoder():
     from xattn.fast import registry
 

@@ -13,7 +13,7 @@ from .argtypes import POSITIVE, SEED, THREADS, integer, number
 def _bench(args) -> int:
     import time
 
-    from .bench import chart, compile_cache, end_to_end
+    from .bench import chart, compile_cache, end_to_end, memory
     from .bench import decode as bench
     from .files import check_output
 
@@ -45,6 +45,10 @@ def _bench(args) -> int:
         print()
         print(end_to_end.table(e2e))
         extra["end_to_end"] = e2e
+    if args.memory:
+        print("\nmemory (RSS; each format in a fresh process)")
+        footprints = memory.run(threads=args.threads)
+        extra["memory"] = memory.as_json(footprints)
     if args.compile:
         print("\ncompile cache: the compiled decode step's first call in a fresh process, then in a second one")
         extra["compile_cache"] = reuse = compile_cache.first_calls(threads=args.threads)
@@ -71,7 +75,7 @@ def _bench_tts(args) -> int:
         return 2
     mixed = [option for option, value in (("--quick", args.quick), ("--rows", args.rows), ("--compile", args.compile),
                                           ("--end-to-end", args.end_to_end), ("--chart", args.chart),
-                                          ("--serve", args.serve)) if value]
+                                          ("--serve", args.serve), ("--memory", args.memory)) if value]
     if mixed:
         print(f"xattn bench: --tts runs alone; drop {' '.join(mixed)}", file=sys.stderr)
         return 2
@@ -95,7 +99,8 @@ def _bench_serve(args) -> int:
     from .fast.formats import KINDS
 
     mixed = [option for option, value in (("--quick", args.quick), ("--rows", args.rows), ("--compile", args.compile),
-                                          ("--end-to-end", args.end_to_end), ("--tts", args.tts)) if value]
+                                          ("--end-to-end", args.end_to_end), ("--tts", args.tts),
+                                          ("--memory", args.memory)) if value]
     if mixed:
         print(f"xattn bench: --serve runs alone; drop {' '.join(mixed)}", file=sys.stderr)
         return 2
@@ -351,6 +356,8 @@ def _bench_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--compile", action="store_true", help="add the torch.compile'd decode step, its compile "
                        "time, and a second process reusing the compile cache")
     bench.add_argument("--end-to-end", action="store_true", help="add images/s captioning 64 images in batches of 16")
+    bench.add_argument("--memory", action="store_true", help="add each weight format's memory: the model alone, "
+                       "+ the format's copies, the peak while generating (a fresh process per format)")
     bench.add_argument("--no-ctranslate2", action="store_true", help="leave CTranslate2 out even when installed")
     bench.add_argument("--chart", metavar="PNG", help="draw the results")
     bench.add_argument("--short", type=POSITIVE, default=8, help="generation length of the short run")

@@ -127,9 +127,12 @@ def draw(scene: Scene) -> Image.Image:
     return image.resize((IMAGE_SIZE, IMAGE_SIZE), Image.LANCZOS)
 
 
-def write_imagefolder(directory: str, count: int, seed: int, progress: bool = True) -> None:
+def write_imagefolder(directory: str, count: int, seed: int, progress: bool = True,
+                      small_scales: tuple[float, float] | None = None) -> None:
     """A Hugging Face imagefolder: PNG files + metadata.jsonl with file_name and text (the caption).
 
+    small_scales (low, high): each scene's small_scale drawn uniformly from it (from its own generator, so the
+    captions and centres are those of the spec's drawing); None: the spec's THREE_SHAPE_SCALE.
     Written incrementally and resumable: an interrupted run picks up after the last complete line.
     """
     from tqdm import tqdm
@@ -142,7 +145,10 @@ def write_imagefolder(directory: str, count: int, seed: int, progress: bool = Tr
     with open(metadata, "a") as f:
         for index in tqdm(range(done, count), desc=os.path.basename(directory), disable=not progress, initial=done,
                           total=count):
-            scene = scene_for(seed, index)
+            small_scale = THREE_SHAPE_SCALE
+            if small_scales is not None:
+                small_scale = random.Random(f"{seed}:{index}:small_scale").uniform(*small_scales)
+            scene = scene_for(seed, index, small_scale)
             name = f"{index:06d}.png"
             draw(scene).save(os.path.join(directory, name))
             f.write(json.dumps({"file_name": name, "text": scene.caption}) + "\n")

@@ -25,8 +25,26 @@ def accelerate(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weights: 
     """The same decoder (the same transformers modules) with its per-step projections in format `weights` ("exact",
     "packed", "bf16", "int8"; see xattn.fast.formats), the cross-attention K/V projection in `cross_weights`, and
     the fast paths the format allows (the fused step, the greedy head)."""
+    steps = decoder_steps(decoder, weights, cross_weights)
+    release_freed_memory()
     return GPT2CrossAttentionDecoder(decoder.transformer, decoder.lm_head, embed=decoder.embed_fn,
-                                     head=decoder.output_fn, steps=decoder_steps(decoder, weights, cross_weights))
+                                     head=decoder.output_fn, steps=steps)
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing). Making copies frees
+    as much again in temporaries (fp32 views, quantized tensors), which glibc keeps mapped once its mmap threshold
+    has risen: without this the process holds about a copy more than it uses."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weights: str = "exact") -> DecoderSteps:
@@ -86,6 +104,6 @@ def accelerate_encoder(encoder: nn.Module, kind: str) -> nn.Module:
     formats.check_kind(kind)
     if kind == "exact":
         return encoder
-    if vit.supports(encoder, kind):
-        return vit.ViTEncoder(encoder, kind)
-    return formats.convert_linears(encoder, kind)
+    converted = vit.ViTEncoder(encoder, kind) if vit.supports(encoder, kind) else formats.convert_linears(encoder, kind)
+    release_freed_memory()
+    return converted

@@ -5,24 +5,27 @@ out, MLP in and out per layer, then the LM head): at small batch it is bound by 
 format of those weights sets its speed.
 
 - "exact": transformers' own tensors and ops (Conv1D's addmm, the head's linear); bit-identical logits.
-- "packed": fp32 copies: at up to LIMITS.packed_kernel_rows activation rows through xattn's own AVX2 kernel
-  (xattn.fast.kernels, the weights in its 16-column panels), above that through oneDNN with the weights prepacked
-  in its blocked layout; the same values summed in another order, so logits differ by rounding only. Greedy steps
+- "packed": at most one fp32 copy: at up to LIMITS.packed_kernel_rows activation rows through xattn's own AVX2 kernel
+  (xattn.fast.kernels; Conv1D weights copied into its 16-column panels, the LM head read in place), above that through
+  oneDNN's linear reading transformers' own tensors in place (its prepacked copy was no faster there); the same values
+  summed in another order, so logits differ by rounding only. Greedy steps
   read the LM head through an int8 copy first and pick the same token (xattn/fast/greedy_head.py).
 - "bf16": bfloat16 copies (half the bytes); activations are cast to bf16 for the product, results to fp32.
-- "int8": int8 copies with one scale per output channel, activations quantized per call: at up to
+- "int8": an int8 copy with one scale per output channel, activations quantized per call: at up to
   LIMITS.int8_kernel_rows rows by xattn's byte-product kernel (8-bit, symmetric per row), above that by fbgemm's
-  dynamic linear (7-bit per tensor).
+  dynamic linear (7-bit per tensor), whose own copy is made the first time it is needed.
 
 Decode steps of "packed" and "int8" at up to LIMITS.fused_rows rows run every block in one kernel call
 (xattn/fast/fused.py), with xattn's products there (int8 from LIMITS.fused_fbgemm_rows rows: fbgemm's, called from
 the kernel). torch's private operators (oneDNN's, fbgemm's) are reached through xattn/fast/torch_ops.py.
 
-Copies are made once, when the decoder is built: later changes to the transformers weights are not seen
+Copies are made once, when the decoder is built: later changes to the transformers weights are not seen by them
 (build the decoder again after fine-tuning).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -82,20 +85,27 @@ def _small(x: torch.Tensor, kernel_weight: torch.Tensor | None, rows: int) -> bo
 
 
 class PackedLinear(_Copy):
-    """fp32 weight [out, in]: in xattn's 16-column panels for its kernel (few rows), prepacked for oneDNN's linear
-    (more)."""
+    """fp32 weight [out, in] for xattn's kernel (few rows) and oneDNN's linear (more), with at most one copy: a
+    Conv1D's weight (seen transposed) is copied into the kernel's 16-column panels; a contiguous fp32 weight (an
+    nn.Linear's, such as a tied LM head) is read in place by both, the kernel summing each output as a dot product
+    (`in_place`). oneDNN reads the weight given, a view of the model's own tensor."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
-        weight = weight.detach().float().contiguous()
-        self.weight = torch_ops.pack_fp32(weight)
-        self.kernel_weight = kernels.panels(weight) if kernels.available() else None
+        self.weight = weight.detach().float()  # no copy of an fp32 tensor
+        self.in_place = self.weight.is_contiguous() and kernels.available()
+        self.kernel_weight = None
+        if kernels.available() and not self.in_place:
+            self.kernel_weight = kernels.panels(self.weight.contiguous())
         self.bias = None if bias is None else bias.detach().float().clone()
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        return self.rowwise(x) if _small(x, self.kernel_weight, LIMITS.packed_kernel_rows) else None
+        kernel = self.in_place or self.kernel_weight is not None
+        return self.rowwise(x) if kernel and x.numel() <= LIMITS.packed_kernel_rows * x.shape[-1] else None
 
     def rowwise(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            return kernels.matvec_rows(x, self.weight, self.bias)
         if self.kernel_weight is None:
             return self.forward(x)
         return kernels.matvec(x, self.kernel_weight, self.out_features, self.bias)
@@ -119,14 +129,29 @@ class BF16Linear(_Copy):
 
 class Int8Linear(_Copy):
     """int8 weight [out, in], symmetric with one scale per output channel: xattn's kernel at few rows, fbgemm's
-    dynamic linear above (7-bit activation range, as torch's dynamic quantization does on x86)."""
+    dynamic linear above (7-bit activation range, as torch's dynamic quantization does on x86). fbgemm reads its own
+    copy in its own layout, made when a product first needs it: a decoder that never runs more rows than the kernel
+    takes (batch 1, in-flight serving) holds one int8 copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
         self.bias = None if bias is None else bias.detach().float().clone()
-        quantized, self.packed = torch_ops.prepack_int8(weight, self.bias)
+        quantized = torch_ops.quantize(weight.detach().float())
+        self.scales = quantized.q_per_channel_scales().float()  # float32 values: exact either way
         self.kernel_weight = kernels.int8_blocks(quantized.int_repr()) if kernels.available() else None
-        self.scales = quantized.q_per_channel_scales().float()
+        self._packed = None if self.kernel_weight is not None else torch_ops.prepack_quantized(quantized, self.bias)
+        self._lock = threading.Lock()
+
+    @property
+    def packed(self):
+        """fbgemm's prepacked copy (made on first use, from the kernel's blocks)."""
+        if self._packed is None:
+            with self._lock:
+                if self._packed is None:
+                    int8 = kernels.unblock_int8(self.kernel_weight, self.out_features, self.in_features)
+                    quantized = torch_ops.quantized_weight(int8, self.scales)
+                    self._packed = torch_ops.prepack_quantized(quantized, self.bias)
+        return self._packed
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.rowwise(x) if _small(x, self.kernel_weight, LIMITS.int8_kernel_rows) else None

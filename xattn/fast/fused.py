@@ -53,8 +53,7 @@ class FusedLayers:
         int8 = [c for c in copies if isinstance(c, Int8Linear)]
         biases = [c.bias for c in copies]
         whole = len(int8) == len(copies) and torch_ops.fbgemm_available()
-        packed = [c.packed for c in int8] if whole else []  # fbgemm's, for the kernel's larger steps
-        return weights, [c.scales for c in int8], biases, packed
+        return weights, [c.scales for c in int8], biases, int8 if whole else []  # fbgemm's, for larger steps
 
     @classmethod
     def build(cls, transformer, projections, scalings, kind: str, activation: str) -> FusedLayers | None:
@@ -90,9 +89,9 @@ class FusedLayers:
         return self.run(*args)
 
     def run(self, hidden, keys, values, cross_keys, cross_values, cross_mask, enc_index, position) -> torch.Tensor:
-        weights, scales, biases, packed = self._lists[cross_keys is not None]
-        if self.independent or hidden.shape[0] < LIMITS.fused_fbgemm_rows:
-            packed = []
+        weights, scales, biases, int8 = self._lists[cross_keys is not None]
+        fbgemm = int8 and not self.independent and hidden.shape[0] >= LIMITS.fused_fbgemm_rows
+        packed = [c.packed for c in int8] if fbgemm else []  # fbgemm's copies, made on the first such step
         return kernels.decoder_layers(
             hidden, self.norm_weight, self.norm_bias, weights, scales, biases, packed, keys, values, cross_keys,
             cross_values, cross_mask, enc_index, position, self.scalings, self.eps,

@@ -2,6 +2,7 @@
 compiled on first use with the system's g++ against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
+`matvec_rows(x, weight, bias=None)`: the same product reading an fp32 weight [N, K] as it is (no copy).
 `matvec_int8(x, int8_blocks(weight), N, scale, bias=None)`: int8 weight with one scale per row, x quantized to int8
 per row inside.
 `decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
@@ -60,6 +61,12 @@ def matvec(x: torch.Tensor, weight_panels: torch.Tensor, n: int, bias: torch.Ten
     return torch.ops.xattn_kernels.matvec(x, weight_panels, n, bias)
 
 
+def matvec_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32 times a contiguous fp32 weight [N, K] read in place -> [..., N]: each output a dot product
+    summed in one fixed order, whatever the rows beside it."""
+    return torch.ops.xattn_kernels.matvec_rows(x, weight, bias)
+
+
 def int8_blocks(weight: torch.Tensor) -> torch.Tensor:
     """int8 weight [N, K] -> the kernels' layout [ceil(N / 8), ceil(K / 32), 8, 32]: 8 rows interleaved 32 columns
     at a time (zeros past N and K), so that a block of rows is one stream."""
@@ -67,6 +74,11 @@ def int8_blocks(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(-(-n // 8) * 8, -(-k // 32) * 32, dtype=torch.int8)
     padded[:n, :k] = weight
     return padded.view(padded.shape[0] // 8, 8, -1, 32).transpose(1, 2).contiguous()
+
+
+def unblock_int8(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """int8_blocks(weight) -> weight [n, k] again."""
+    return blocks.transpose(1, 2).reshape(blocks.shape[0] * 8, -1)[:n, :k].contiguous()
 
 
 def matvec_int8(x: torch.Tensor, blocks: torch.Tensor, n: int, scale: torch.Tensor,
@@ -91,11 +103,11 @@ def encoder_layers(hidden, norm_weight, norm_bias, weights, biases, packed, head
                                            workspace)
 
 
-def greedy_tokens(x, weight_panels, bias, screen, scale, bounds, forbidden) -> torch.Tensor:
-    """argmax over matvec(x [M, K], weight_panels, N, bias) with the forbidden ids left out, read through the int8
+def greedy_tokens(x, weight, bias, screen, scale, bounds, forbidden) -> torch.Tensor:
+    """argmax over matvec_rows(x [M, K], weight [N, K], bias) with the forbidden ids left out, read through the int8
     copy `screen` (int8_blocks) with proven bounds [3, N] (see screen.cpp): tokens [M], equal to the full product's
     argmax."""
-    return torch.ops.xattn_kernels.greedy_tokens(x, weight_panels, bias, screen, scale, bounds, forbidden)
+    return torch.ops.xattn_kernels.greedy_tokens(x, weight, bias, screen, scale, bounds, forbidden)
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -208,10 +220,14 @@ def _register_fake() -> None:
     def _(x, weight_panels, n, bias):
         return x.new_empty(*x.shape[:-1], n)
 
+    @torch.library.register_fake("xattn_kernels::matvec_rows")
+    def _(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
     @torch.library.register_fake("xattn_kernels::matvec_int8")
     def _(x, blocks, n, scale, bias):
         return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("xattn_kernels::greedy_tokens")
-    def _(x, weight_panels, bias, screen, scale, bounds, forbidden):
+    def _(x, weight, bias, screen, scale, bounds, forbidden):
         return x.new_empty(x.shape[0], dtype=torch.long)

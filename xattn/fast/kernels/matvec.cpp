@@ -1,5 +1,5 @@
-// The products of products.h as torch ops: xattn_kernels::matvec (fp32 weights as panels [ceil(N / 16), K, 16]) and
-// matvec_int8 (int8 weights as blocks [ceil(N / 8), ceil(K / 32), 8, 32], one scale per row), for the projections a
+// The products of products.h as torch ops: xattn_kernels::matvec (fp32 weights as panels [ceil(N / 16), K, 16]),
+// matvec_rows (fp32 weights as they are, [N, K] in rows) and matvec_int8 (int8 weights as blocks [ceil(N / 8), ceil(K / 32), 8, 32], one scale per row), for the projections a
 // decode step runs one at a time.
 
 #include <ATen/ATen.h>
@@ -40,6 +40,21 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& panels, int64_t N, cons
   return run(x, panels, N, K, nullptr, bias);
 }
 
+at::Tensor matvec_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  xattn::check_kind(weight, at::kFloat, 2, true, "weight");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  check_x(x, N);
+  TORCH_CHECK(x.size(-1) == K, "x's last dimension (", x.size(-1), ") must be the weight's K (", K, ")");
+  xattn::check_bias(bias, N, "bias");
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty({x2.size(0), N}, x.options());
+  xattn::product_rows_fp32(x2.data_ptr<float>(), x2.size(0), weight.data_ptr<float>(), N, K,
+                           bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
+  return y.view(shape);
+}
+
 at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
   check_x(x, N);
@@ -56,10 +71,12 @@ at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t N,
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
   m.def("matvec(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("matvec_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("matvec_int8(Tensor x, Tensor blocks, int n, Tensor scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) {
   m.impl("matvec", &matvec);
+  m.impl("matvec_rows", &matvec_rows);
   m.impl("matvec_int8", &matvec_int8);
 }

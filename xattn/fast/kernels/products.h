@@ -130,12 +130,79 @@ inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, S
   });
 }
 
-// The fp32 product of one activation row with one output column n, as product_fp32 computes it.
-inline float column_fp32(const float* x, const Weight& w, int64_t n) {
-  const float* col = static_cast<const float*>(w.data) + (n / kPanel) * w.K * kPanel + n % kPanel;
-  float sum = 0.f;
-  for (int64_t k = 0; k < w.K; ++k) sum = std::fma(x[k], col[k * kPanel], sum);
-  return w.bias ? sum + w.bias[n] : sum;
+// fp32 weights may also be read as they are, [N, K] in rows (an nn.Linear's weight, such as a tied LM head: no copy).
+// Each output is then a dot product: 8 lanes summed in k order by FMA, the lanes added by hsum, the columns past the
+// last multiple of 8 added in order, then the bias (dot_fp32), the same for any number of rows beside it. A tile of
+// up to 3 activation rows x 4 weight rows (12 accumulators) reads the 4 weight rows once for up to 3 activation rows.
+inline float dot_fp32(const float* x, const float* w, int64_t K, const float* bias, int64_t n) {
+  const int64_t K8 = K - K % 8;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), acc);
+  float sum = hsum(acc);
+  for (int64_t k = K8; k < K; ++k) sum = std::fma(x[k], w[k], sum);
+  return bias ? sum + bias[n] : sum;
+}
+
+// M activation rows x R weight rows from w (row stride K); next: the next tile's weight rows to prefetch, or nullptr.
+template <int M, int R>
+void tile_rows_fp32(const float* x, int64_t K, const float* w, const float* next, int64_t n0, const float* bias,
+                    float* y, int64_t N, Store how) {
+  const int64_t K8 = K - K % 8;
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) {
+    if (next && k % 16 == 0)  // a 64-byte line of each of the next tile's rows every other step
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      float sum = hsum(acc[m][r]);
+      for (int64_t k = K8; k < K; ++k) sum = std::fma(x[m * K + k], w[r * K + k], sum);
+      store(y + m * N + n, bias ? sum + bias[n] : sum, how);
+    }
+}
+
+// All M rows against weight rows n0 .. n0 + R - 1: the R weight rows stay in L1 while tiles of up to 3 activation
+// rows pass (3 x R <= 12 accumulators).
+template <int R>
+void rows_against(const float* x, int64_t M, int64_t K, const float* w, const float* next, int64_t n0,
+                  const float* bias, float* y, int64_t N, Store how) {
+  for (int64_t m0 = 0; m0 < M; m0 += 3) {
+    const int64_t rows = std::min<int64_t>(3, M - m0);
+    const float* pre = m0 == 0 ? next : nullptr;
+    if (rows == 3)
+      tile_rows_fp32<3, R>(x + m0 * K, K, w, pre, n0, bias, y + m0 * N, N, how);
+    else if (rows == 2)
+      tile_rows_fp32<2, R>(x + m0 * K, K, w, pre, n0, bias, y + m0 * N, N, how);
+    else
+      tile_rows_fp32<1, R>(x + m0 * K, K, w, pre, n0, bias, y + m0 * N, N, how);
+  }
+}
+
+inline void product_rows_fp32(const float* x, int64_t M, const float* weight, int64_t N, int64_t K, const float* bias,
+                              float* y, Store how = Store::kSet) {
+  constexpr int R = 4;  // weight rows per tile
+  const int64_t tiles = N / R;
+  at::parallel_for(0, tiles + 1, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * R;
+      if (t == tiles) {  // the rows past the last whole tile, one by one
+        for (int64_t n = n0; n < N; ++n)
+          for (int64_t m = 0; m < M; ++m) store(y + m * N + n, dot_fp32(x + m * K, weight + n * K, K, bias, n), how);
+        continue;
+      }
+      const float* w = weight + n0 * K;
+      rows_against<R>(x, M, K, w, t + 1 < end ? w + R * K : nullptr, n0, bias, y, N, how);
+    }
+  });
 }
 
 // int8 weights are blocks [ceil(N / 8), ceil(K / 32), 8, 32]: 8 rows interleaved 32 bytes at a time (zeros past N

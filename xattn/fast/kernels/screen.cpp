@@ -4,7 +4,7 @@
 // The LM head is ~28% of a GPT-2 decode step's weights (50257 x 768 fp32: 154 MB). Greedy search needs only the
 // argmax, so the head is first read as int8 (39 MB) and each score gets a proven bound on its distance from the
 // fp32 kernel's value; only tokens whose bound reaches the best lower bound are computed in fp32, summed in the same
-// order as the full head's product (products.h's column_fp32), so the chosen token is the full fp32 argmax, ties to
+// order as the full head's product (products.h's dot_fp32, as matvec_rows sums), so the chosen token is the full fp32 argmax, ties to
 // the lowest index.
 //
 // Bound for token v and activation row x (w: the fp32 row, q: its int8 copy times its scale, x_q: x rounded to
@@ -47,7 +47,7 @@ struct Best {
   }
 };
 
-at::Tensor greedy_tokens(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias_opt,
+at::Tensor greedy_tokens(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_opt,
                          const at::Tensor& screen, const at::Tensor& scale, const at::Tensor& bounds,
                          const at::Tensor& forbidden) {
   xattn::check_kind(x, at::kFloat, 2, true, "x");
@@ -55,14 +55,14 @@ at::Tensor greedy_tokens(const at::Tensor& x, const at::Tensor& panels, const c1
   const int64_t M = x.size(0), K = x.size(1), N = bounds.size(1);
   TORCH_CHECK(N > 0, "bounds: expected [3, N] for a vocabulary of N > 0 tokens, got ", xattn::describe(bounds));
   xattn::check_tensor(bounds, at::kFloat, {3, N}, "bounds");
-  xattn::check_weight(panels, at::kFloat, N, K, "panels (the head's fp32 weight, with bounds' N and x's K)");
+  xattn::check_tensor(weight, at::kFloat, {N, K}, "weight (the head's fp32 weight [N, K], with bounds' N and x's K)");
   xattn::check_weight(screen, at::kChar, N, K, "screen (the head's int8 copy, with bounds' N and x's K)");
   xattn::check_tensor(scale, at::kFloat, {N}, "scale");
   xattn::check_bias(bias_opt, N, "bias");
   xattn::check_kind(forbidden, at::kLong, -1, false, "forbidden");
   TORCH_CHECK(forbidden.dim() <= 1, "forbidden: expected token ids [F], got ", xattn::describe(forbidden));
   const float* bias = bias_opt.has_value() ? bias_opt->data_ptr<float>() : nullptr;
-  const xattn::Weight w32{panels.data_ptr(), nullptr, bias, N, K};
+  const float* rows = weight.data_ptr<float>();
   const float* err2 = bounds.data_ptr<float>();
   const float* l1 = err2 + N;
   const float* norm = l1 + N;
@@ -105,7 +105,7 @@ at::Tensor greedy_tokens(const at::Tensor& x, const at::Tensor& panels, const c1
           if (allowed[n]) candidates.push_back(n);
       scores.resize(candidates.size());
       at::parallel_for(0, static_cast<int64_t>(candidates.size()), 64, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) scores[i] = xattn::column_fp32(xm, w32, candidates[i]);
+        for (int64_t i = begin; i < end; ++i) scores[i] = xattn::dot_fp32(xm, rows + candidates[i] * K, K, bias, candidates[i]);
       });
       Best best;
       for (size_t i = 0; i < candidates.size(); ++i) best.offer(candidates[i], scores[i]);
@@ -118,7 +118,7 @@ at::Tensor greedy_tokens(const at::Tensor& x, const at::Tensor& panels, const c1
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
-  m.def("greedy_tokens(Tensor x, Tensor panels, Tensor? bias, Tensor screen, Tensor scale, Tensor bounds, "
+  m.def("greedy_tokens(Tensor x, Tensor weight, Tensor? bias, Tensor screen, Tensor scale, Tensor bounds, "
         "Tensor forbidden) -> Tensor");
 }
 
