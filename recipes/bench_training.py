@@ -1,5 +1,8 @@
-"""Gradient checkpointing, measured: step time and peak memory training ViT-B/16 + GPT-2 small (batch 8,
-32 caption tokens, AdamW, fp32, 2 threads), with and without it, each in a fresh process, in one run.
+"""Gradient checkpointing, measured: step time and memory training ViT-B/16 + GPT-2 small (batch 8, 32 caption
+tokens, AdamW, fp32, 2 threads), with and without it (with it, the LM-head loss in chunks, as `xattn train
+--gradient-checkpointing` does), each in a fresh process, in one run. Activation memory is measured apart from
+weights, gradients and optimizer state: the peak RSS of forward + backward above the RSS that holds those (see
+xattn.bench.training_step_cost).
 
     python recipes/bench_training.py --json bench/$(date +%F)-gradient-checkpointing.json
 """
@@ -25,13 +28,19 @@ def main():
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     plain, checkpointed = measure(False, args.batch), measure(True, args.batch)
-    print(f"{'gradient checkpointing':24s} {'s/step':>8s} {'peak RSS MB':>12s}")
+    print(f"{'gradient checkpointing':24s} {'s/step':>7s} {'activations':>11s} {'optimizer step':>14s} "
+          f"{'held':>6s} {'weights':>7s} {'grads':>6s} {'Adam':>6s} {'peak RSS':>8s}  (MB)")
     for row in (plain, checkpointed):
-        print(f"{str(row['gradient_checkpointing']):24s} {row['seconds_per_step']:8.2f} {row['peak_rss_mb']:12.0f}")
+        print(f"{str(row['gradient_checkpointing']):24s} {row['seconds_per_step']:7.2f} {row['activation_mb']:11.0f} "
+              f"{row['optimizer_peak_mb']:14.0f} {row['held_rss_mb']:6.0f} {row['weights_mb']:7.0f} "
+              f"{row['gradients_mb']:6.0f} {row['optimizer_state_mb']:6.0f} {row['peak_rss_mb']:8.0f}")
     print(f"checkpointed / plain: time x{checkpointed['seconds_per_step'] / plain['seconds_per_step']:.2f}, "
-          f"peak memory x{checkpointed['peak_rss_mb'] / plain['peak_rss_mb']:.2f}")
+          f"activation memory / {plain['activation_mb'] / checkpointed['activation_mb']:.2f}, "
+          f"peak RSS x{checkpointed['peak_rss_mb'] / plain['peak_rss_mb']:.2f}")
     if args.json:
-        save_json({"plain": plain, "checkpointed": checkpointed}, args.json)
+        from xattn.bench.decode import machine
+
+        save_json({"machine": machine(), "plain": plain, "checkpointed": checkpointed}, args.json)
 
 
 if __name__ == "__main__":

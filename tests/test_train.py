@@ -2,7 +2,11 @@
 
 import torch
 
-from conftest import tiny_captioner
+import numpy as np
+import pytest
+
+from conftest import tiny_captioner, tiny_recognizer
+from xattn.train import chunked_loss
 from xattn.train.loop import TrainConfig, batch_indices, enable_checkpointing, latest_checkpoint, train
 
 
@@ -55,6 +59,47 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert any("crossattention" in n for n in plain)  # the cross-attention path is covered
     for name in plain:
         assert torch.allclose(plain[name], checkpointed[name], atol=1e-5, rtol=0), name
+
+
+@pytest.mark.parametrize("make,name", [(tiny_captioner, "pixel_values"), (tiny_recognizer, "input_values")])
+def test_chunked_loss_with_checkpointing_gives_the_models_loss_and_gradients(make, name):
+    generator = torch.Generator().manual_seed(1)
+    inputs = {name: torch.randn(3, 3, 32, 32, generator=generator)} if name == "pixel_values" else \
+        {name: torch.randn(3, 1600, generator=generator), "attention_mask": torch.ones(3, 1600, dtype=torch.long)}
+    if name == "input_values":
+        inputs["attention_mask"][2, 1200:] = 0  # a shorter clip: the encoder mask reaches the decoder
+    labels = torch.randint(3, 90, (3, 9), generator=generator)
+    labels[1, 6:] = -100  # padding, ignored
+    results = []
+    for chunked in (False, True):
+        model = make(seed=3).train()
+        model.config.use_cache = False
+        if chunked:
+            enable_checkpointing(model)
+        assert chunked_loss.applies(model)
+        torch.manual_seed(5)  # the same dropout masks; wav2vec2 draws its time masks from numpy
+        np.random.seed(5)
+        loss = chunked_loss.loss(model, labels=labels, chunk_rows=4, **inputs) if chunked else \
+            model(**inputs, labels=labels).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain_loss, plain), (chunked_value, chunked) = results
+    assert chunked_value == pytest.approx(plain_loss, abs=1e-5)
+    assert plain.keys() == chunked.keys() and any("lm_head" in n or "wte" in n for n in plain)
+    for key in plain:
+        assert torch.allclose(plain[key], chunked[key], atol=1e-5, rtol=0), key
+
+
+def test_the_training_loop_chunks_the_loss_only_with_checkpointing(tmp_path, monkeypatch):
+    calls = []
+    original = chunked_loss.loss
+    monkeypatch.setattr(chunked_loss, "loss", lambda *a, **k: calls.append(1) or original(*a, **k))
+    data = RandomCaptions()
+    for checkpointing in (False, True):
+        config = TrainConfig(output_dir=str(tmp_path / str(checkpointing)), max_steps=2, batch_size=4,
+                             warmup_steps=1, mixed_precision="no", gradient_checkpointing=checkpointing)
+        train(tiny_captioner(seed=64), data, collate, config, progress=False)
+        assert len(calls) == (2 if checkpointing else 0)
 
 
 def test_checkpointing_is_really_on():

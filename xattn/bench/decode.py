@@ -322,12 +322,18 @@ def machine() -> str:
 
 def training_step_cost(checkpointing: bool, batch: int = 8, tokens: int = 32, steps: int = 2,
                        threads: int = 2) -> dict:
-    """Seconds per AdamW step (best of `steps`) and the process's peak RSS, training the ViT-B/16 + GPT-2
-    small captioner with or without gradient checkpointing. Run each setting in its own process: peak RSS
-    is per process."""
-    import resource
+    """One AdamW step training the ViT-B/16 + GPT-2 small captioner, with or without gradient checkpointing (with
+    it, the LM-head loss in chunks, as `xattn train --gradient-checkpointing` does): seconds per step (best of
+    `steps`), and memory measured apart. `activation_mb`: the peak RSS of forward + backward above the RSS holding
+    weights, gradients and optimizer state (after a first step, gradients kept, the heap's free pages returned
+    first); `optimizer_peak_mb`: the same for the optimizer's step; the bytes of weights, gradients and optimizer
+    state from their tensors. Run each setting in its own process: peak RSS is per process."""
+    import gc
 
+    from ..fast import release_freed_memory
+    from ..train import chunked_loss
     from ..train.loop import enable_checkpointing
+    from .memory import _reset_peak, _status_mb
 
     torch.set_num_threads(threads)
     model = vit_gpt2_small().train()
@@ -339,14 +345,42 @@ def training_step_cost(checkpointing: bool, batch: int = 8, tokens: int = 32, st
     pixels = torch.randn(batch, 3, 224, 224, generator=generator)
     labels = torch.randint(0, 50000, (batch, tokens), generator=generator)
 
-    def step():
-        loss = model(pixel_values=pixels, labels=labels).loss
+    def forward_backward():
+        if checkpointing:
+            loss = chunked_loss.loss(model, labels=labels, pixel_values=pixels)
+        else:
+            loss = model(pixel_values=pixels, labels=labels).loss
         loss.backward()
-        optimizer.step()
+
+    def step():
         optimizer.zero_grad(set_to_none=True)
+        forward_backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    def settled_rss() -> float:
+        gc.collect()
+        release_freed_memory()
+        _reset_peak()
+        return _status_mb("VmRSS")
 
     step()  # the optimizer's state exists from here on, as in a real run
     seconds, _ = best_of(step, steps)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    return {"gradient_checkpointing": checkpointing, "batch": batch, "tokens": tokens,
-            "seconds_per_step": seconds, "peak_rss_mb": peak_mb}
+    peak_rss_mb = _status_mb("VmHWM")  # the process's peak over whole steps (before the resets below)
+    optimizer.zero_grad(set_to_none=False)  # gradients held, as during a step's backward
+    held = settled_rss()
+    forward_backward()
+    activation_mb = _status_mb("VmHWM") - held
+    held = settled_rss()
+    optimizer.step()
+    optimizer_peak_mb = _status_mb("VmHWM") - held
+
+    def mb(tensors) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"gradient_checkpointing": checkpointing, "chunked_loss": checkpointing, "batch": batch,
+            "tokens": tokens, "seconds_per_step": seconds, "weights_mb": mb(model.parameters()),
+            "gradients_mb": mb(p.grad for p in model.parameters() if p.grad is not None),
+            "optimizer_state_mb": mb(state), "held_rss_mb": held, "activation_mb": activation_mb,
+            "optimizer_peak_mb": optimizer_peak_mb, "peak_rss_mb": peak_rss_mb}

@@ -18,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from . import chunked_loss
 from .checkpoints import error_line, latest_checkpoint, latest_words, load_checkpoint, save_checkpoint, writing
 
 __all__ = ["TrainConfig", "batch_indices", "enable_checkpointing", "latest_checkpoint", "learning_rate_at",
@@ -202,6 +203,8 @@ class _Stepper:
         self.model, self.optimizer, self.dataset, self.collate = model, optimizer, dataset, collate
         self.config, self.world = config, world
         self.bf16 = config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and cpu_has_native_bf16())
+        # with the layers checkpointed, the LM head's logits are the largest activations left: chunk the loss
+        self.chunked = config.gradient_checkpointing and chunked_loss.applies(model, distributed=world is not None)
         # find_unused_parameters: encoders carry parts a captioner never uses (ViT's pooler)
         self.runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world \
             else model
@@ -217,7 +220,7 @@ class _Stepper:
         try:
             inputs = self.collate(examples)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-                loss = self.runner(**inputs).loss
+                loss = chunked_loss.loss(self.runner, **inputs) if self.chunked else self.runner(**inputs).loss
         except (ValueError, RuntimeError, IndexError) as error:
             named = _batch_error(error, examples, step, lambda e: self.model(**self.collate([e])))
             if named is None:

@@ -131,27 +131,31 @@ inline void product_fp32(const float* x, int64_t M, const Weight& w, float* y, S
 }
 
 // fp32 weights may also be read as they are, [N, K] in rows (an nn.Linear's weight, such as a tied LM head: no copy).
-// Each output is then a dot product: 8 lanes summed in k order by FMA, the lanes added by hsum, the columns past the
-// last multiple of 8 added in order, then the bias (dot_fp32), the same for any number of rows beside it. A tile of
-// up to 3 activation rows x 4 weight rows (12 accumulators) reads the 4 weight rows once for up to 3 activation rows.
-inline float dot_fp32(const float* x, const float* w, int64_t K, const float* bias, int64_t n) {
-  const int64_t K8 = K - K % 8;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K8; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), acc);
+// Each output is then a dot product summed in one fixed order, the same for any number of rows beside it
+// (dot_fp32): one 8-lane FMA chain over the blocks of 8 columns, its lanes added by hsum, then the columns past the
+// last block in order, then the bias. Up to 4 activation rows read the weight one row at a time (one sequential
+// stream, as fast as the panels at 1-4 rows); more rows go in tiles of 3 activation rows x 4 weight rows (12
+// accumulators), each weight row read once per tile.
+inline float finish_dot(__m256 acc, const float* x, const float* w, int64_t K, const float* bias, int64_t n) {
   float sum = hsum(acc);
-  for (int64_t k = K8; k < K; ++k) sum = std::fma(x[k], w[k], sum);
+  for (int64_t k = K - K % 8; k < K; ++k) sum = std::fma(x[k], w[k], sum);
   return bias ? sum + bias[n] : sum;
+}
+
+inline float dot_fp32(const float* x, const float* w, int64_t K, const float* bias, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), acc);
+  return finish_dot(acc, x, w, K, bias, n);
 }
 
 // M activation rows x R weight rows from w (row stride K); next: the next tile's weight rows to prefetch, or nullptr.
 template <int M, int R>
 void tile_rows_fp32(const float* x, int64_t K, const float* w, const float* next, int64_t n0, const float* bias,
                     float* y, int64_t N, Store how) {
-  const int64_t K8 = K - K % 8;
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K8; k += 8) {
+  for (int64_t k = 0; k + 8 <= K; k += 8) {
     if (next && k % 16 == 0)  // a 64-byte line of each of the next tile's rows every other step
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
     __m256 wv[R];
@@ -162,36 +166,35 @@ void tile_rows_fp32(const float* x, int64_t K, const float* w, const float* next
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      const int64_t n = n0 + r;
-      float sum = hsum(acc[m][r]);
-      for (int64_t k = K8; k < K; ++k) sum = std::fma(x[m * K + k], w[r * K + k], sum);
-      store(y + m * N + n, bias ? sum + bias[n] : sum, how);
-    }
+    for (int r = 0; r < R; ++r)
+      store(y + m * N + n0 + r, finish_dot(acc[m][r], x + m * K, w + r * K, K, bias, n0 + r), how);
 }
 
-// All M rows against weight rows n0 .. n0 + R - 1: the R weight rows stay in L1 while tiles of up to 3 activation
-// rows pass (3 x R <= 12 accumulators).
-template <int R>
+// Every activation row against weight rows n0 .. n0 + R - 1, in tiles of up to Most rows.
+template <int R, int Most>
 void rows_against(const float* x, int64_t M, int64_t K, const float* w, const float* next, int64_t n0,
                   const float* bias, float* y, int64_t N, Store how) {
-  for (int64_t m0 = 0; m0 < M; m0 += 3) {
-    const int64_t rows = std::min<int64_t>(3, M - m0);
+  for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
+    rows = std::min<int64_t>(Most, M - m0);
     const float* pre = m0 == 0 ? next : nullptr;
-    if (rows == 3)
-      tile_rows_fp32<3, R>(x + m0 * K, K, w, pre, n0, bias, y + m0 * N, N, how);
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    if (Most >= 4 && rows == 4)
+      tile_rows_fp32<(Most >= 4 ? 4 : 1), R>(xm, K, w, pre, n0, bias, ym, N, how);
+    else if (rows == 3)
+      tile_rows_fp32<3, R>(xm, K, w, pre, n0, bias, ym, N, how);
     else if (rows == 2)
-      tile_rows_fp32<2, R>(x + m0 * K, K, w, pre, n0, bias, y + m0 * N, N, how);
+      tile_rows_fp32<2, R>(xm, K, w, pre, n0, bias, ym, N, how);
     else
-      tile_rows_fp32<1, R>(x + m0 * K, K, w, pre, n0, bias, y + m0 * N, N, how);
+      tile_rows_fp32<1, R>(xm, K, w, pre, n0, bias, ym, N, how);
   }
 }
 
-inline void product_rows_fp32(const float* x, int64_t M, const float* weight, int64_t N, int64_t K, const float* bias,
-                              float* y, Store how = Store::kSet) {
-  constexpr int R = 4;  // weight rows per tile
+template <int R, int Most>
+void product_rows_tiles(const float* x, int64_t M, const float* weight, int64_t N, int64_t K, const float* bias,
+                        float* y, Store how) {
   const int64_t tiles = N / R;
-  at::parallel_for(0, tiles + 1, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles + 1, 32, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * R;
       if (t == tiles) {  // the rows past the last whole tile, one by one
@@ -200,9 +203,17 @@ inline void product_rows_fp32(const float* x, int64_t M, const float* weight, in
         continue;
       }
       const float* w = weight + n0 * K;
-      rows_against<R>(x, M, K, w, t + 1 < end ? w + R * K : nullptr, n0, bias, y, N, how);
+      rows_against<R, Most>(x, M, K, w, t + 1 < end ? w + R * K : nullptr, n0, bias, y, N, how);
     }
   });
+}
+
+inline void product_rows_fp32(const float* x, int64_t M, const float* weight, int64_t N, int64_t K, const float* bias,
+                              float* y, Store how = Store::kSet) {
+  if (M <= 4)
+    product_rows_tiles<1, 4>(x, M, weight, N, K, bias, y, how);
+  else
+    product_rows_tiles<4, 3>(x, M, weight, N, K, bias, y, how);
 }
 
 // int8 weights are blocks [ceil(N / 8), ceil(K / 32), 8, 32]: 8 rows interleaved 32 bytes at a time (zeros past N
