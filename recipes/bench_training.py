@@ -28,14 +28,16 @@ def main():
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     plain, checkpointed = measure(False, args.batch), measure(True, args.batch)
-    print(f"{'gradient checkpointing':24s} {'s/step':>7s} {'activations':>11s} {'optimizer step':>14s} "
+    print(f"{'gradient checkpointing':24s} {'s/step':>7s} {'activations':>11s} {'(live)':>6s} {'optimizer step':>14s} "
           f"{'held':>6s} {'weights':>7s} {'grads':>6s} {'Adam':>6s} {'peak RSS':>8s}  (MB)")
     for row in (plain, checkpointed):
         print(f"{str(row['gradient_checkpointing']):24s} {row['seconds_per_step']:7.2f} {row['activation_mb']:11.0f} "
+              f"{row['activation_live_mb']:6.0f} "
               f"{row['optimizer_peak_mb']:14.0f} {row['held_rss_mb']:6.0f} {row['weights_mb']:7.0f} "
               f"{row['gradients_mb']:6.0f} {row['optimizer_state_mb']:6.0f} {row['peak_rss_mb']:8.0f}")
     print(f"checkpointed / plain: time x{checkpointed['seconds_per_step'] / plain['seconds_per_step']:.2f}, "
-          f"activation memory / {plain['activation_mb'] / checkpointed['activation_mb']:.2f}, "
+          f"activation memory / {plain['activation_mb'] / checkpointed['activation_mb']:.2f} "
+          f"(live tensors / {plain['activation_live_mb'] / checkpointed['activation_live_mb']:.2f}), "
           f"peak RSS x{checkpointed['peak_rss_mb'] / plain['peak_rss_mb']:.2f}")
     if args.json:
         from xattn.bench.decode import machine

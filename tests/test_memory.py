@@ -30,3 +30,22 @@ def test_packed_and_int8_hold_at_most_one_extra_copy_of_the_benchmark_decoder():
     assert int8.extra_mb <= 1.1 * int8.one_copy_mb
     assert int8.peak_extra_mb["B=1 greedy"] < int8.extra_mb + 0.5 * int8.one_copy_mb
     assert "+format" in memory.table([packed, int8])
+
+
+def test_live_activation_memory_counts_saved_tensors_and_leaves_weights_and_gradients_out():
+    import torch
+
+    from xattn.bench.training import live_activation_mb
+
+    weight = torch.nn.Parameter(torch.randn(2048, 2048))  # 16 MB of weights, 16 MB of gradient: not activations
+    x = torch.randn(1024, 2048)
+
+    def forward_backward():
+        hidden = torch.relu(x @ weight)  # 8 MB: the product, then the ReLU output autograd keeps
+        (hidden * hidden).sum().backward()  # the square keeps its input too
+
+    measured = live_activation_mb(forward_backward)
+    assert weight.grad is not None
+    # x, the product, the ReLU output, the square and their gradients are [1024, 2048] (8 MB) each: six at the
+    # backward's peak; with the 32 MB of weight and gradient counted it would be 80
+    assert 16 <= measured <= 56

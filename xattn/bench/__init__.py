@@ -6,6 +6,7 @@ decode: ms per decode step, xattn vs transformers (dynamic and static cache) vs 
     GPT stage, xattn vs coqui-tts' own decoding on transformers 4.57 (a subprocess in that environment).
 """
 
-from .decode import ROWS, Measurement, floor_probe_ms, run, save, table, training_step_cost, vit_gpt2_small
+from .decode import ROWS, Measurement, floor_probe_ms, run, save, table, vit_gpt2_small
+from .training import training_step_cost
 
 __all__ = ["ROWS", "Measurement", "floor_probe_ms", "run", "save", "table", "training_step_cost", "vit_gpt2_small"]
