@@ -33,11 +33,12 @@ def test_table_gives_ratios_to_transformers_floor_and_ctranslate2_of_the_same_pr
             Measurement("B=1 greedy", "ctranslate2 float32", 25.0, nan, None),
             Measurement("B=1 greedy", "ctranslate2 int8", 15.0, nan, None),
             Measurement("B=1 greedy", "transformers static", nan, nan, None, error="not supported"),
-            Measurement("B=1 greedy", "floor probe", 20.0, nan, None)]
+            Measurement("B=1 greedy", "floor probe", 20.0, nan, None),
+            Measurement("B=1 greedy", "int8 floor probe", 6.0, nan, None)]
     lines = table(rows).splitlines()
     packed, int8 = lines[2].split(), lines[3].split()
     assert packed[5:8] == ["0.75", "1.50", "1.20"] and packed[-1] == "same"  # x transformers, x floor, x ct2 fp32
-    assert int8[7] == "0.80" and "99.5% = fp32" in lines[3]  # int8 against CTranslate2 int8
+    assert int8[6:8] == ["2.00", "0.80"] and "99.5% = fp32" in lines[3]  # x the int8 floor, x CTranslate2 int8
     assert "could not run: not supported" in lines[6] and lines[7].split()[-2] == "-"
 
 
@@ -65,6 +66,18 @@ def test_compiled_decode_reuses_the_compile_cache_in_a_second_process(tmp_path):
     assert record["second_process"]["graph_cache_hits"] > 0 and record["second_process"]["graph_cache_misses"] == 0
 
 
+def test_int8_floor_probe_reads_every_int8_weight_once_and_is_below_the_fp32_floor():
+    import xattn
+    from conftest import tiny_captioner
+    from xattn.bench.decode import _step_weights, floor_probe_ms, int8_floor_probe_ms
+
+    decoder = xattn.from_hf(tiny_captioner(seed=5, n_embd=256, n_layer=4, vocab_size=4096)).decoder
+    weights, head = _step_weights(decoder)
+    assert len(weights) == 4 * 6 and head.shape == (4096, 256)  # every projection a step reads, then the head
+    int8, fp32 = int8_floor_probe_ms(decoder, repeats=5), floor_probe_ms(decoder, 1, repeats=5)
+    assert 0 < int8 < fp32  # a quarter of the bytes, no products
+
+
 def test_chart_draws_decode_rows_and_end_to_end(tmp_path):
     from PIL import Image
 
@@ -73,7 +86,8 @@ def test_chart_draws_decode_rows_and_end_to_end(tmp_path):
     from xattn.bench.end_to_end import table as e2e_table
 
     rows = [Measurement(r, e, ms, 1.0, None) for r in ("B=1 greedy", "B=8 greedy")
-            for e, ms in (("transformers", 40.0), ("xattn int8", 12.0), ("floor probe", 20.0))]
+            for e, ms in (("transformers", 40.0), ("xattn int8", 12.0), ("floor probe", 20.0),
+                          ("int8 floor probe", 6.0))]
     e2e = [EndToEnd("transformers, batches of 16", 64, 16, 20.0, 3.2), EndToEnd("xattn int8", 64, 16, 10.0, 6.4)]
     path = tmp_path / "bench.png"
     chart.draw(rows, e2e, str(path), title="test")

@@ -14,7 +14,8 @@ def draw(decode: list, end_to_end: list | None, path: str, title: str = "") -> N
     from ..files import save_figure
 
     rows = list(dict.fromkeys(m.row for m in decode))
-    engines = [e for e in dict.fromkeys(m.engine for m in decode) if e != "floor probe"]
+    floors = {"floor probe": ("fp32 weights read once", "dashed"), "int8 floor probe": ("int8 weights read once", "dotted")}
+    engines = [e for e in dict.fromkeys(m.engine for m in decode) if e not in floors]
     value = {(m.row, m.engine): m.ms_per_step for m in decode if not m.error}
     panels = 2 if end_to_end else 1
     fig, axes = plt.subplots(1, panels, figsize=(7 * panels + 3, 5), squeeze=False,
@@ -26,11 +27,12 @@ def draw(decode: list, end_to_end: list | None, path: str, title: str = "") -> N
         heights = [value.get((row, engine), math.nan) for row in rows]
         xs = [r + (i - (len(engines) - 1) / 2) * width for r in range(len(rows))]
         ax.bar(xs, heights, width, label=engine, color=colors(i % colors.N))
-    for r, row in enumerate(rows):
-        floor = value.get((row, "floor probe"))
-        if floor:
-            ax.hlines(floor, r - 0.45, r + 0.45, colors="black", linestyles="dashed",
-                      label="floor probe (fp32 weights read once)" if r == 0 else None)
+    for name, (what, style) in floors.items():
+        for r, row in enumerate(rows):
+            floor = value.get((row, name))
+            if floor:
+                ax.hlines(floor, r - 0.45, r + 0.45, colors="black", linestyles=style,
+                          label=f"{name} ({what})" if r == 0 else None)
     ax.set_xticks(range(len(rows)), rows)
     ax.set_ylabel("ms per decode step (lower is better)")
     ax.set_yscale("log")

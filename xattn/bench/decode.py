@@ -125,6 +125,10 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
                 results.append(m)
             results.append(Measurement(row, "floor probe", floor, float("nan"), None))
             _report(progress, results[-1])
+            if any("int8" in name for name in engines):
+                int8_floor = int8_floor_probe_ms(decoder, repeats=max(3, repeats))
+                results.append(Measurement(row, "int8 floor probe", int8_floor, float("nan"), None))
+                _report(progress, results[-1])
     return results
 
 
@@ -220,13 +224,38 @@ def floor_probe_ms(decoder, rows: int, repeats: int = 5) -> float:
     return min(plain, _stream_ms(decoder, rows, repeats, packed=True))
 
 
-def _stream_ms(decoder, rows: int, repeats: int, packed: bool) -> float:
+def int8_floor_probe_ms(decoder, repeats: int = 5) -> float:
+    """The time to read one decode step's int8 weights once (every projection a step reads and the LM head, one
+    byte per weight, as the int8 format holds them): a sum over each as 8-byte words, the least work that touches
+    every byte. An int8 step cannot beat it; its ratio to it says how far the int8 products are from the memory."""
+    from ..fast.torch_ops import quantize
+
+    weights, head = _step_weights(decoder)
+    copies = [quantize(w.t().contiguous()).int_repr() for w in weights] + [quantize(head).int_repr()]
+    words = [c.view(-1)[: c.numel() // 8 * 8].view(torch.int64) for c in copies]
+
+    def stream():
+        for w in words:
+            w.sum()
+
+    with torch.inference_mode():
+        stream()
+        seconds, _ = best_of(stream, repeats)
+    return seconds * 1000
+
+
+def _step_weights(decoder) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The Conv1D weights [in, out] a decode step reads, and the LM head's [vocab, D]."""
     weights = []
     for block in decoder.blocks:
         weights += [block.attn.c_attn.weight, block.attn.c_proj.weight, block.mlp.c_fc.weight, block.mlp.c_proj.weight]
         if hasattr(block, "crossattention"):
             weights += [block.crossattention.q_attn.weight, block.crossattention.c_proj.weight]
-    head = decoder.lm_head.weight  # [vocab, D]: read as its transpose
+    return weights, decoder.lm_head.weight
+
+
+def _stream_ms(decoder, rows: int, repeats: int, packed: bool) -> float:
+    weights, head = _step_weights(decoder)  # the head [vocab, D] is read as its transpose
     inputs = [torch.randn(rows, w.shape[0]) for w in weights]
     x_head = torch.randn(rows, head.shape[1])
 
@@ -260,7 +289,7 @@ def table(results: list[Measurement]) -> str:
     by_row = {(m.row, m.engine): m.ms_per_step for m in results}
     for m in results:
         base = by_row.get((m.row, "transformers"), float("nan"))
-        floor = by_row.get((m.row, "floor probe"), float("nan"))
+        floor = by_row.get((m.row, "int8 floor probe" if "int8" in m.engine else "floor probe"), float("nan"))
         ct2 = by_row.get((m.row, "ctranslate2 int8" if "int8" in m.engine else "ctranslate2 float32"), float("nan"))
         if m.error:
             lines.append(f"{m.row:12s} {m.engine:20s} could not run: {m.error}")
