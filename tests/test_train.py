@@ -4,6 +4,8 @@ import torch
 
 import numpy as np
 import pytest
+import transformers
+from transformers.models.vision_encoder_decoder.modeling_vision_encoder_decoder import shift_tokens_right
 
 from conftest import tiny_captioner, tiny_recognizer
 from xattn.train import chunked_loss
@@ -62,7 +64,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 @pytest.mark.parametrize("make,name", [(tiny_captioner, "pixel_values"), (tiny_recognizer, "input_values")])
-def test_chunked_loss_with_checkpointing_gives_the_models_loss_and_gradients(make, name):
+def test_the_loops_losses_are_the_encoder_decoder_loss_with_its_gradients(make, name):
+    """chunked_loss.loss (with checkpointing) and full_loss equal the cross-entropy of the model's logits against
+    the labels, decoder inputs shifted by transformers' own shift_tokens_right; on 4.57 the captioner's own .loss
+    shifts twice (transformers #40111), on 5.x it is this loss too."""
     generator = torch.Generator().manual_seed(1)
     inputs = {name: torch.randn(3, 3, 32, 32, generator=generator)} if name == "pixel_values" else \
         {name: torch.randn(3, 1600, generator=generator), "attention_mask": torch.ones(3, 1600, dtype=torch.long)}
@@ -70,36 +75,55 @@ def test_chunked_loss_with_checkpointing_gives_the_models_loss_and_gradients(mak
         inputs["attention_mask"][2, 1200:] = 0  # a shorter clip: the encoder mask reaches the decoder
     labels = torch.randint(3, 90, (3, 9), generator=generator)
     labels[1, 6:] = -100  # padding, ignored
-    results = []
-    for chunked in (False, True):
+    results = {}
+    for way in ("reference", "full", "chunked", "model's own"):
         model = make(seed=3).train()
         model.config.use_cache = False
-        if chunked:
+        if way == "chunked":
             enable_checkpointing(model)
         assert chunked_loss.applies(model)
         torch.manual_seed(5)  # the same dropout masks; wav2vec2 draws its time masks from numpy
         np.random.seed(5)
-        loss = chunked_loss.loss(model, labels=labels, chunk_rows=4, **inputs) if chunked else \
-            model(**inputs, labels=labels).loss
+        if way == "reference":
+            start = shift_tokens_right(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
+            logits = model(**inputs, decoder_input_ids=start).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        elif way == "full":
+            loss = chunked_loss.full_loss(model, labels=labels, **inputs)
+        elif way == "chunked":
+            loss = chunked_loss.loss(model, labels=labels, chunk_rows=4, **inputs)
+        else:
+            loss = model(**inputs, labels=labels).loss
         loss.backward()
-        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (plain_loss, plain), (chunked_value, chunked) = results
-    assert chunked_value == pytest.approx(plain_loss, abs=1e-5)
-    assert plain.keys() == chunked.keys() and any("lm_head" in n or "wte" in n for n in plain)
-    for key in plain:
-        assert torch.allclose(plain[key], chunked[key], atol=1e-5, rtol=0), key
+        results[way] = (loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    reference_loss, reference = results["reference"]
+    assert any("lm_head" in n or "wte" in n for n in reference)
+    ways = ["full", "chunked"] + (["model's own"] if int(transformers.__version__.split(".")[0]) >= 5 else [])
+    for way in ways:
+        value, gradients = results[way]
+        assert value == pytest.approx(reference_loss, abs=1e-5), way
+        assert gradients.keys() == reference.keys(), way
+        for key in reference:
+            assert torch.allclose(reference[key], gradients[key], atol=1e-5, rtol=0), (way, key)
 
 
-def test_the_training_loop_chunks_the_loss_only_with_checkpointing(tmp_path, monkeypatch):
-    calls = []
-    original = chunked_loss.loss
-    monkeypatch.setattr(chunked_loss, "loss", lambda *a, **k: calls.append(1) or original(*a, **k))
+def test_the_training_loop_chunks_the_loss_with_checkpointing_and_never_takes_the_models_own(tmp_path, monkeypatch):
+    calls = {"loss": 0, "full_loss": 0}
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(chunked_loss, name, counted(name, getattr(chunked_loss, name)))
     data = RandomCaptions()
     for checkpointing in (False, True):
         config = TrainConfig(output_dir=str(tmp_path / str(checkpointing)), max_steps=2, batch_size=4,
                              warmup_steps=1, mixed_precision="no", gradient_checkpointing=checkpointing)
         train(tiny_captioner(seed=64), data, collate, config, progress=False)
-        assert len(calls) == (2 if checkpointing else 0)
+        assert calls == ({"loss": 2, "full_loss": 2} if checkpointing else {"loss": 0, "full_loss": 2})
 
 
 def test_checkpointing_is_really_on():

@@ -6,6 +6,11 @@ checkpointed these are the largest activations left. Here the model's forward ru
 (the decoder's final hidden states come out instead of logits), and the loss is summed over chunks of rows, each
 chunk's logits recomputed in backward (torch.utils.checkpoint): at most one chunk's logits exist at a time. The
 loss is the model's own (the mean over labels that are not -100), its gradients equal within float rounding.
+
+`full_loss` is the same loss without chunks, from the model's logits. The training loop uses it rather than the
+model's `.loss`: VisionEncoderDecoderModel of transformers 4.50-4.57 shifts the labels twice (its loss_function is
+ForCausalLMLoss, which shifts again; transformers #40111, fixed after 4.57 by #40863), so a captioner fine-tuned
+there would learn to predict the token after next.
 """
 
 from __future__ import annotations
@@ -20,19 +25,23 @@ IGNORE = -100  # transformers' (and CrossEntropyLoss's) ignored label
 CHUNK_ROWS = 256  # label rows per chunk: 256 x 50257 fp32 logits is 49 MB
 
 
+def takes_shifted_labels(model: nn.Module) -> bool:
+    """An encoder-decoder model of transformers' that makes decoder_input_ids by shifting labels right."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "is_encoder_decoder", False) and hasattr(model, "decoder")
+                and getattr(config, "decoder_start_token_id", None) is not None
+                and getattr(config, "pad_token_id", None) is not None)
+
+
 def applies(model: nn.Module, distributed: bool = False) -> bool:
     """An encoder-decoder model of transformers' (VisionEncoderDecoderModel, SpeechEncoderDecoderModel,
     EncoderDecoderModel) whose decoder has an nn.Linear LM head and takes decoder_input_ids from shifted labels.
     Under DDP only with the head tied to the input embeddings: DDP expects every weight's gradient from its
     forward, and a head used only outside it would not be averaged."""
-    decoder = getattr(model, "decoder", None)
-    config = getattr(model, "config", None)
-    head = getattr(decoder, "lm_head", None)
-    if not (getattr(config, "is_encoder_decoder", False) and isinstance(head, nn.Linear)
-            and getattr(config, "decoder_start_token_id", None) is not None
-            and getattr(config, "pad_token_id", None) is not None):
+    head = getattr(getattr(model, "decoder", None), "lm_head", None)
+    if not (takes_shifted_labels(model) and isinstance(head, nn.Linear)):
         return False
-    return not distributed or head.weight is decoder.get_input_embeddings().weight
+    return not distributed or head.weight is model.decoder.get_input_embeddings().weight
 
 
 class _HiddenOut(nn.Module):
@@ -79,6 +88,16 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.T
         total = total + checkpoint(_chunk_loss_sum, hidden[rows], head.weight, head.bias, labels[rows],
                                    use_reentrant=False)
     return total / (labels != IGNORE).sum()  # 0/0 = nan when every label is ignored, as CrossEntropyLoss gives
+
+
+def full_loss(model: nn.Module, labels: torch.Tensor, **inputs) -> torch.Tensor:
+    """The mean cross-entropy of the model's logits against `labels` (not -100), decoder_input_ids made from the
+    labels shifted right: the loss of transformers 5.x. `model` may be a DDP wrapper."""
+    config = getattr(model, "module", model).config
+    decoder_input_ids = shift_right(labels, config.pad_token_id, config.decoder_start_token_id)
+    logits = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                       ignore_index=IGNORE)
 
 
 def loss(model: nn.Module, labels: torch.Tensor, chunk_rows: int = CHUNK_ROWS, **inputs) -> torch.Tensor:

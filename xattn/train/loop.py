@@ -205,9 +205,17 @@ class _Stepper:
         self.bf16 = config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and cpu_has_native_bf16())
         # with the layers checkpointed, the LM head's logits are the largest activations left: chunk the loss
         self.chunked = config.gradient_checkpointing and chunked_loss.applies(model, distributed=world is not None)
+        self.own_loss = chunked_loss.takes_shifted_labels(model)  # not the model's .loss: see chunked_loss
         # find_unused_parameters: encoders carry parts a captioner never uses (ViT's pooler)
         self.runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if world \
             else model
+
+    def _loss(self, inputs: dict) -> torch.Tensor:
+        if self.chunked:
+            return chunked_loss.loss(self.runner, **inputs)
+        if self.own_loss:
+            return chunked_loss.full_loss(self.runner, **inputs)
+        return self.runner(**inputs).loss
 
     def __call__(self, step: int) -> float:
         config, world = self.config, self.world
@@ -220,7 +228,7 @@ class _Stepper:
         try:
             inputs = self.collate(examples)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-                loss = chunked_loss.loss(self.runner, **inputs) if self.chunked else self.runner(**inputs).loss
+                loss = self._loss(inputs)
         except (ValueError, RuntimeError, IndexError) as error:
             named = _batch_error(error, examples, step, lambda e: self.model(**self.collate([e])))
             if named is None:
