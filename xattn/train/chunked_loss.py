@@ -90,22 +90,23 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.T
     return total / (labels != IGNORE).sum()  # 0/0 = nan when every label is ignored, as CrossEntropyLoss gives
 
 
+def _decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    config = getattr(model, "module", model).config  # through a DDP wrapper
+    return shift_right(labels, config.pad_token_id, config.decoder_start_token_id)
+
+
 def full_loss(model: nn.Module, labels: torch.Tensor, **inputs) -> torch.Tensor:
     """The mean cross-entropy of the model's logits against `labels` (not -100), decoder_input_ids made from the
     labels shifted right: the loss of transformers 5.x. `model` may be a DDP wrapper."""
-    config = getattr(model, "module", model).config
-    decoder_input_ids = shift_right(labels, config.pad_token_id, config.decoder_start_token_id)
-    logits = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+    logits = model(**inputs, decoder_input_ids=_decoder_input_ids(model, labels)).logits
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                        ignore_index=IGNORE)
 
 
 def loss(model: nn.Module, labels: torch.Tensor, chunk_rows: int = CHUNK_ROWS, **inputs) -> torch.Tensor:
-    """model(**inputs, labels=labels).loss computed with chunked_cross_entropy; `model` may be a DDP wrapper around
-    the encoder-decoder model (its forward runs, so its gradient hooks do)."""
-    inner = getattr(model, "module", model)
-    config = inner.config
-    decoder_input_ids = shift_right(labels, config.pad_token_id, config.decoder_start_token_id)
-    with _head_aside(inner) as head:
+    """full_loss computed with chunked_cross_entropy; `model` may be a DDP wrapper around the encoder-decoder model
+    (its forward runs, so its gradient hooks do)."""
+    decoder_input_ids = _decoder_input_ids(model, labels)
+    with _head_aside(getattr(model, "module", model)) as head:
         hidden = model(**inputs, decoder_input_ids=decoder_input_ids).logits
     return chunked_cross_entropy(hidden, head, labels, chunk_rows)
