@@ -168,3 +168,26 @@ def test_nlpconnect_layout_checkpoint_captions_through_model_flag(tmp_path):
     assert main(["caption", str(image), "--model", str(tmp_path), "-o", str(out), "--quiet"]) == 0
     row = json.loads(out.read_text())
     assert isinstance(row["caption"], str) and "error" not in row
+
+
+def test_upscale_recipe_gives_what_transformers_interpolation_gives(tiny_checkpoint, tmp_path):
+    """recipes/upscale_captioner.py (how the shipped captioner went from 64 to 96 px): the new checkpoint's plain
+    forward at 96 px equals transformers' own interpolate_pos_encoding forward of the 64 px one, and its
+    processor resizes to 96."""
+    from transformers import AutoImageProcessor, VisionEncoderDecoderModel
+
+    source, model, _, _ = tiny_checkpoint
+    out = tmp_path / "up96"
+    run = subprocess.run([sys.executable, os.path.join(REPO, "recipes", "upscale_captioner.py"), source, str(out),
+                          "--image-size", "96"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    upscaled = VisionEncoderDecoderModel.from_pretrained(out).eval()
+    assert upscaled.config.encoder.image_size == 96
+    assert AutoImageProcessor.from_pretrained(out).size == {"height": 96, "width": 96}
+    pixels = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.eval().encoder(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state
+        assert torch.allclose(upscaled.encoder(pixel_values=pixels).last_hidden_state, expected, atol=1e-5)
+    refused = subprocess.run([sys.executable, os.path.join(REPO, "recipes", "upscale_captioner.py"), source,
+                              str(tmp_path / "bad"), "--image-size", "100"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "not a multiple of the patch size" in refused.stderr

@@ -96,12 +96,17 @@ def test_revision_picks_the_tagged_snapshot(hf_home, capsys):
 
 SCRIPT = """
 import torch, transformers, xattn
-model = transformers.VisionEncoderDecoderModel.from_pretrained("xattn-test/scene-captioner")
-pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-expected = model.generate(pixel_values=pixels, max_new_tokens=8)
-assert torch.equal(xattn.load("xattn-test/scene-captioner").generate(pixel_values=pixels, max_new_tokens=8), expected)
-assert not torch.equal(xattn.load("xattn-test/scene-captioner", revision="v1").generate(pixel_values=pixels,
-                                                                                         max_new_tokens=8), expected)
+tokens = {}
+for revision in ("main", "v1"):  # main: the shipped captioner; v1: a tiny one of another shape
+    model = transformers.VisionEncoderDecoderModel.from_pretrained("xattn-test/scene-captioner", revision=revision)
+    size = model.config.encoder.image_size
+    pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    expected = model.generate(pixel_values=pixels, max_new_tokens=8)
+    ours = xattn.load("xattn-test/scene-captioner", revision=revision)
+    assert ours.hf_model.config.encoder.hidden_size == model.config.encoder.hidden_size, revision
+    assert torch.equal(ours.generate(pixel_values=pixels, max_new_tokens=8), expected), revision
+    tokens[revision] = expected
+assert tokens["main"].shape != tokens["v1"].shape or not torch.equal(tokens["main"], tokens["v1"])
 print("same tokens as transformers")
 """
 
