@@ -139,8 +139,8 @@ def test_an_interrupted_augmented_run_resumes_to_the_same_weights(scenes, tmp_pa
 
     real_save = xattn.train.loop.save_checkpoint
 
-    def save_then_stop(model, optimizer, step, history, config):
-        real_save(model, optimizer, step, history, config)
+    def save_then_stop(model, optimizer, step, history, config, run_options=None):
+        real_save(model, optimizer, step, history, config, run_options)
         if step == 2:
             raise ValueError("stopped after checkpoint-2")
 

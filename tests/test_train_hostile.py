@@ -350,6 +350,33 @@ def test_a_broken_checkpoint_is_named_on_resume(damage, named, data, reference, 
     assert (out / "final" / "model.safetensors").read_bytes() == final  # nothing was overwritten
 
 
+@pytest.mark.parametrize("changed,flag", [
+    (("--batch-size", "1"), "--batch-size"), (("--seed", "7"), "--seed"),
+    (("--learning-rate", "0.5"), "--learning-rate"),
+    (("--augment",), "--augment"), (("--data", None), "--data"),
+])
+def test_a_resume_with_other_options_is_refused(changed, flag, data, reference, tmp_path, capsys):
+    """Resuming with options that change what the run computes would give neither the interrupted run nor a fresh
+    one; options that do not (how often to save or evaluate) may change."""
+    out = tmp_path / "out"
+    shutil.copytree(reference("captioner"), out)
+    final = (out / "final" / "model.safetensors").read_bytes()
+    argv = train_argv(data, "captioner", out, "--resume")
+    if flag == "--data":
+        other = tmp_path / "same-scenes-elsewhere"
+        shutil.copytree(data["captioner"], other)
+        argv[argv.index("--data") + 1] = str(other)
+    elif changed[0] in argv:
+        argv[argv.index(changed[0]) + 1] = changed[1]
+    else:
+        argv += list(changed)
+    assert main(argv) == 2
+    message = one_line_error(capsys)
+    assert str(out / "checkpoint-") in message and f"written by a run with {flag} " in message, message
+    assert (out / "final" / "model.safetensors").read_bytes() == final  # nothing was overwritten
+    assert main(train_argv(data, "captioner", out, "--resume", "--save-every", "3", "--eval-every", "7")) == 0
+
+
 def test_a_checkpoint_without_its_preprocessor_config_is_refused(data, reference, tmp_path, capsys):
     checkpoint = tmp_path / "model"
     shutil.copytree(os.path.join(reference("captioner"), "final"), checkpoint)
@@ -400,8 +427,8 @@ def test_a_full_disk_is_one_line_and_resumable(after_step, data, reference, smal
                 f.write(b"\0" * (1 << 20))
                 f.flush()
 
-    def save_then_fill(model, optimizer, step, history, config):
-        real_save(model, optimizer, step, history, config)
+    def save_then_fill(model, optimizer, step, history, config, run_options=None):
+        real_save(model, optimizer, step, history, config, run_options)
         if step == after_step:
             fill()
 

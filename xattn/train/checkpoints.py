@@ -26,13 +26,20 @@ from ..files import disk_nearly_full, replaced_atomically
 STATE_FILE = "trainer_state.pt"  # optimizer, step, RNG, history: tensors and plain data (weights_only load)
 WEIGHTS_FILE = "weights.safetensors"
 LATEST = "latest"  # a file naming the newest complete checkpoint directory
+RUN_FILE = "train_config.json"  # the options of the run that wrote the checkpoint
+# the TrainConfig fields that decide what a resumed run computes: a resume with another value would silently be a
+# different run (another schedule, data order or loss), so it is refused; eval_every, save_every, keep_checkpoints
+# and gradient checkpointing (the same gradients) may change
+SHAPES_THE_RUN = ("max_steps", "batch_size", "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm",
+                  "seed", "mixed_precision")
 
 
-def save_checkpoint(model, optimizer, step: int, history: dict, config) -> None:
+def save_checkpoint(model, optimizer, step: int, history: dict, config, run_options: dict | None = None) -> None:
     """Write checkpoint-{step} completely under a temporary name, then point `latest` at it atomically.
 
     A kill at any moment leaves `latest` naming a complete checkpoint; a full disk is a one-line ValueError
-    that leaves the earlier checkpoints as they were."""
+    that leaves the earlier checkpoints as they were. run_options: what else shapes the run (the command's data
+    folder, --augment...), checked like the config on resume."""
     name = f"checkpoint-{step}"
     final = os.path.join(config.output_dir, name)
     tmp = final + ".tmp"
@@ -45,8 +52,8 @@ def save_checkpoint(model, optimizer, step: int, history: dict, config) -> None:
         save_model(model, os.path.join(tmp, WEIGHTS_FILE))
         state = {"step": step, "optimizer": optimizer.state_dict(), "rng": _rng_state(), "history": history}
         torch.save(state, os.path.join(tmp, STATE_FILE))
-        with open(os.path.join(tmp, "train_config.json"), "w") as f:
-            json.dump(asdict(config), f, indent=1)
+        with open(os.path.join(tmp, RUN_FILE), "w") as f:
+            json.dump({**asdict(config), "run_options": run_options or {}}, f, indent=1)
         _sync_files(tmp)  # on disk before anything points at them (a full disk can show only here)
         replace_directory(tmp, final)
         with replaced_atomically(pointer) as partial, open(partial, "w") as f:
@@ -80,9 +87,11 @@ def latest_checkpoint(output_dir: str) -> str | None:
         return os.path.join(output_dir, f.read().strip())
 
 
-def load_checkpoint(model, optimizer, output_dir: str) -> tuple[int, dict]:
+def load_checkpoint(model, optimizer, output_dir: str, config=None,
+                    run_options: dict | None = None) -> tuple[int, dict]:
     """Weights, optimizer, RNG and history of the checkpoint `latest` names; a ValueError naming the file (and
-    what to do) for a missing, truncated or foreign one."""
+    what to do) for a missing, truncated or foreign one, or one written by a run with other options (config's
+    SHAPES_THE_RUN fields and run_options, where the checkpoint recorded them)."""
     pointer = os.path.join(output_dir, LATEST)
     if not os.path.exists(pointer):
         return 0, {"step": [], "loss": [], "eval": []}
@@ -97,6 +106,8 @@ def load_checkpoint(model, optimizer, output_dir: str) -> tuple[int, dict]:
     path = os.path.join(output_dir, name)
     if not os.path.isdir(path):
         raise ValueError(f"{pointer} names {path}, which is missing; {_fix_words(output_dir, name)}")
+    if config is not None:
+        _check_same_run(path, config, run_options or {})
     state_file, weights_file = os.path.join(path, STATE_FILE), os.path.join(path, WEIGHTS_FILE)
     try:
         state = torch.load(state_file, weights_only=True)
@@ -123,6 +134,35 @@ def load_checkpoint(model, optimizer, output_dir: str) -> tuple[int, dict]:
     else:
         _set_rng_state(rng)
     return step, history
+
+
+def _check_same_run(path: str, config, run_options: dict) -> None:
+    """Refuse to resume with options other than those the checkpoint was written with: the result would be neither
+    the interrupted run nor a fresh one."""
+    run_file = os.path.join(path, RUN_FILE)
+    try:
+        with open(run_file, encoding="utf-8") as f:
+            recorded = json.load(f)
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return  # written before the options were kept: nothing to compare
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{run_file}: unreadable ({error_line(error)}); start over without --resume, or choose "
+                         "another --out") from None
+    ours = {**{name: getattr(config, name) for name in SHAPES_THE_RUN}, **run_options}
+    theirs = {**{name: recorded[name] for name in SHAPES_THE_RUN if name in recorded},
+              **(recorded.get("run_options") if isinstance(recorded.get("run_options"), dict) else {})}
+    for name, value in ours.items():
+        if name in theirs and theirs[name] != value:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{path} was written by a run with {flag} {_shown(theirs[name])}, this one has "
+                             f"{flag} {_shown(value)}: resume with the same options, or start a new run in "
+                             "another --out")
+
+
+def _shown(value) -> str:
+    return {True: "on", False: "off"}.get(value, repr(value)) if isinstance(value, bool) else repr(value)
 
 
 def _fix_words(output_dir: str, broken: str | None) -> str:

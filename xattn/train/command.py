@@ -143,7 +143,9 @@ def run(args, config):
         tokenizer = load_tokenizer(args.model)
     seed_everything(config.seed)  # a new model's initial weights
     model, preprocessor, train_set, collate, evaluate = kinds[kind](args, tokenizer)
-    train(model, train_set, collate, config, evaluate=evaluate, resume=args.resume)
+    same_on_resume = {"data": os.path.realpath(args.data), "augment": bool(args.augment),
+                      "model": args.model if args.model in NEW_MODELS else os.path.realpath(args.model)}
+    train(model, train_set, collate, config, evaluate=evaluate, resume=args.resume, run_options=same_on_resume)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, process 0 saves
         return
     final = os.path.join(config.output_dir, "final")

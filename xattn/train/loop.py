@@ -119,11 +119,15 @@ def train(
     *,
     evaluate: Callable[[torch.nn.Module], dict] | None = None,
     resume: bool = False,
+    run_options: dict | None = None,
     progress: bool = True,
     stop_after: int | None = None,
 ) -> dict:
     """Train `model` on `dataset` (anything indexable with len); collate turns examples into model kwargs
     (with `labels`). evaluate(model) -> metrics runs every eval_every steps. Returns the history.
+
+    run_options: whatever else decides what the run computes (the data folder, augmentation): kept in each checkpoint
+    and, like the config's fields that do, required to be the same on resume.
 
     stop_after: stop (after checkpointing) once this many steps are done in this call — for tests and for
     splitting a long run into pieces.
@@ -150,7 +154,7 @@ def train(
     use_cache = getattr(model.config, "use_cache", None)
     model.config.use_cache = False  # no K/V cache in training (and it clashes with checkpointing)
     optimizer = _optimizer(model, config)
-    step, history = load_checkpoint(model, optimizer, config.output_dir) if resume else \
+    step, history = load_checkpoint(model, optimizer, config.output_dir, config, run_options) if resume else \
         (0, {"step": [], "loss": [], "eval": []})
     loss_png = os.path.join(config.output_dir, "loss.png")
     step_once = _Stepper(model, optimizer, dataset, collate, config, world)
@@ -174,7 +178,7 @@ def train(
             stopping = stop_after is not None and done_here >= stop_after
             if step % config.save_every == 0 or step == config.max_steps or stopping:
                 if rank == 0:
-                    save_checkpoint(model, optimizer, step, history, config)
+                    save_checkpoint(model, optimizer, step, history, config, run_options)
                 if world:
                     torch.distributed.barrier()  # nobody runs ahead of (or resumes from) a half-written checkpoint
             if stopping:
