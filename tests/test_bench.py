@@ -2,14 +2,14 @@
 
 import math
 
+import torch
+
 import xattn
 from conftest import tiny_captioner
 from xattn.bench import Measurement, floor_probe_ms, table
 
 
 def test_floor_probe_reads_every_per_step_weight(monkeypatch):
-    import torch
-
     decoder = xattn.from_hf(tiny_captioner(seed=3)).decoder
     shapes = []
     real_mm = torch.mm
@@ -66,16 +66,20 @@ def test_compiled_decode_reuses_the_compile_cache_in_a_second_process(tmp_path):
     assert record["second_process"]["graph_cache_hits"] > 0 and record["second_process"]["graph_cache_misses"] == 0
 
 
-def test_int8_floor_probe_reads_every_int8_weight_once_and_is_below_the_fp32_floor():
+def test_int8_floor_probe_reads_every_int8_weight_once():
+    """What the probe streams: one byte per weight of every projection a step reads and of the head (its timing is
+    the bench's to report, never a test's to assert)."""
     import xattn
     from conftest import tiny_captioner
-    from xattn.bench.decode import _step_weights, floor_probe_ms, int8_floor_probe_ms
+    from xattn.bench.decode import _step_weights, int8_floor_probe_ms, int8_step_words
 
     decoder = xattn.from_hf(tiny_captioner(seed=5, n_embd=256, n_layer=4, vocab_size=4096)).decoder
     weights, head = _step_weights(decoder)
     assert len(weights) == 4 * 6 and head.shape == (4096, 256)  # every projection a step reads, then the head
-    int8, fp32 = int8_floor_probe_ms(decoder, repeats=5), floor_probe_ms(decoder, 1, repeats=5)
-    assert 0 < int8 < fp32  # a quarter of the bytes, no products
+    words = int8_step_words(decoder)
+    assert [w.dtype for w in words] == [torch.int64] * 25
+    assert [w.numel() * 8 for w in words] == [t.numel() // 8 * 8 for t in (*weights, head)]
+    assert int8_floor_probe_ms(decoder, repeats=2) > 0
 
 
 def test_chart_draws_decode_rows_and_end_to_end(tmp_path):

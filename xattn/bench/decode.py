@@ -228,11 +228,7 @@ def int8_floor_probe_ms(decoder, repeats: int = 5) -> float:
     """The time to read one decode step's int8 weights once (every projection a step reads and the LM head, one
     byte per weight, as the int8 format holds them): a sum over each as 8-byte words, the least work that touches
     every byte. An int8 step cannot beat it; its ratio to it says how far the int8 products are from the memory."""
-    from ..fast.torch_ops import quantize
-
-    weights, head = _step_weights(decoder)
-    copies = [quantize(w.t().contiguous()).int_repr() for w in weights] + [quantize(head).int_repr()]
-    words = [c.view(-1)[: c.numel() // 8 * 8].view(torch.int64) for c in copies]
+    words = int8_step_words(decoder)
 
     def stream():
         for w in words:
@@ -242,6 +238,16 @@ def int8_floor_probe_ms(decoder, repeats: int = 5) -> float:
         stream()
         seconds, _ = best_of(stream, repeats)
     return seconds * 1000
+
+
+def int8_step_words(decoder) -> list[torch.Tensor]:
+    """One decode step's weights quantized to int8 as the int8 format holds them, each viewed as 8-byte words (a
+    tail of under 8 bytes left out): what the int8 floor probe reads."""
+    from ..fast.torch_ops import quantize
+
+    weights, head = _step_weights(decoder)
+    copies = [quantize(w.t().contiguous()).int_repr() for w in weights] + [quantize(head).int_repr()]
+    return [c.view(-1)[: c.numel() // 8 * 8].view(torch.int64) for c in copies]
 
 
 def _step_weights(decoder) -> tuple[list[torch.Tensor], torch.Tensor]:
