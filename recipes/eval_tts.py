@@ -4,6 +4,12 @@ count exact transcripts.
 
     python recipes/make_tts_data.py build/tts
     python recipes/eval_tts.py --data build/tts/test --model data/models/speaker --count 100
+
+--draw SEED speaks digit strings drawn as make_tts_data.py draws a split, from a seed no split uses (21-23 are
+train, validation and test), less those of the train split (seed 21, 6000 drawn): more held-out strings than the
+test split has (144 unseen ones), and no audio files needed.
+
+    python recipes/eval_tts.py --draw 24 --count 300 --model data/models/speaker
 """
 
 import argparse
@@ -15,15 +21,21 @@ import torch
 
 from xattn.files import save_json
 
+SPLIT_SEEDS, TRAIN_SIZE = (21, 22, 23), 6000  # make_tts_data.py's train, validation and test seeds; train's size
+
 
 def main():
-    from xattn.datasets.digits import DIGITS, read_split, tts_voice_name
+    from dataclasses import asdict
+
+    from xattn.datasets.digits import DIGITS, read_split, tts_utterance_for, tts_voice_name
     from xattn.tasks.audio_codes import SAMPLE_RATE
     from xattn.tasks.speech_synthesis import Speaker
     from xattn.tasks.transcription import Transcriber, transcription_scores
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="a TTS split: its digit-string texts are spoken")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="a TTS split: its digit-string texts are spoken")
+    source.add_argument("--draw", type=int, metavar="SEED", help="draw the digit strings from this seed instead")
     parser.add_argument("--model", default=None, help="TTS checkpoint (default: the shipped one)")
     parser.add_argument("--recognizer", default=None, help="recognizer checkpoint (default: the shipped one)")
     parser.add_argument("--count", type=int, default=100)
@@ -32,12 +44,20 @@ def main():
     args = parser.parse_args()
 
     speaker, transcriber = Speaker(args.model), Transcriber(args.recognizer)
-    trained = {r["text"] for r in read_split(os.path.join(os.path.dirname(os.path.abspath(args.data)), "train"))}
-    rows = [r for r in read_split(args.data) if set(r["text"].split()) <= set(DIGITS) and r["text"] not in trained]
+    if args.draw is None:
+        trained = {r["text"] for r in read_split(os.path.join(os.path.dirname(os.path.abspath(args.data)), "train"))}
+        drawn = read_split(args.data)
+    else:
+        if args.draw in SPLIT_SEEDS:
+            parser.error(f"--draw {args.draw} is the seed of a split ({SPLIT_SEEDS}): choose another")
+        trained = {tts_utterance_for(SPLIT_SEEDS[0], i).text for i in range(TRAIN_SIZE)}
+        drawn = (asdict(tts_utterance_for(args.draw, i)) for i in range(100 * args.count))
+    rows = [r for r in drawn if set(r["text"].split()) <= set(DIGITS) and r["text"] not in trained]
     rows = rows[: args.count]  # digit strings the TTS never heard spoken (a short one can recur by chance)
-    truths, guesses, seconds, start = [], [], 0.0, time.perf_counter()
+    truths, guesses, voices, seconds, start = [], [], [], 0.0, time.perf_counter()
     for i, row in enumerate(rows):
         voice = tts_voice_name(row)
+        voices.append(voice)
         audio = speaker.speak(row["text"], voice, generator=torch.Generator().manual_seed(args.seed + i))
         seconds += len(audio) / SAMPLE_RATE
         truths.append(row["text"])
@@ -45,6 +65,11 @@ def main():
         print(f"{voice:10s} {row['text']!r:40s} -> {guesses[-1]!r}", flush=True)
     scores = transcription_scores(truths, guesses)
     scores.update(utterances=len(rows), audio_seconds=seconds, wall_seconds=time.perf_counter() - start)
+    scores["per_voice"] = {}
+    for name in sorted(set(voices)):
+        mine = [i for i, v in enumerate(voices) if v == name]
+        scores["per_voice"][name] = {**transcription_scores([truths[i] for i in mine], [guesses[i] for i in mine]),
+                                     "utterances": len(mine)}
     print(json.dumps(scores, indent=1))
     if args.json:
         save_json(scores, args.json)

@@ -1,6 +1,7 @@
 """The shipped TTS: the README's command writes speech that the shipped recognizer understands, in both voices;
 streaming gives the same audio, its first chunk before the end."""
 
+import json
 import os
 import subprocess
 import sys
@@ -34,3 +35,21 @@ def test_both_voices_speak_and_stream_equals_whole():
         pieces = list(speaker.stream(text, voice, generator=torch.Generator().manual_seed(1)))
         assert np.array_equal(np.concatenate(pieces), whole)
         assert transcriber.transcribe([whole]) == [text], voice
+
+
+def test_eval_tts_draws_held_out_strings_from_a_new_seed_and_scores_each_voice(tmp_path):
+    from xattn.datasets.digits import DIGITS, tts_utterance_for
+
+    out = tmp_path / "eval.json"
+    run = subprocess.run([sys.executable, os.path.join(REPO, "recipes", "eval_tts.py"), "--draw", "24", "--count", "3",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    spoken = [line.split("'")[1] for line in run.stdout.splitlines() if " -> " in line]
+    trained = {tts_utterance_for(21, i).text for i in range(6000)}  # make_tts_data.py's train split
+    assert len(spoken) == 3 and all(set(t.split()) <= set(DIGITS) and t not in trained for t in spoken)
+    scores = json.loads(out.read_text())
+    assert scores["utterances"] == 3 and sum(v["utterances"] for v in scores["per_voice"].values()) == 3
+    assert set(scores["per_voice"]) <= {"gb-male", "us-female"}
+    refused = subprocess.run([sys.executable, os.path.join(REPO, "recipes", "eval_tts.py"), "--draw", "23"],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "seed of a split" in refused.stderr
