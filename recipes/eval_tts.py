@@ -21,13 +21,18 @@ import torch
 
 from xattn.files import save_json
 
-SPLIT_SEEDS, TRAIN_SIZE = (21, 22, 23), 6000  # make_tts_data.py's train, validation and test seeds; train's size
-
 
 def main():
     from dataclasses import asdict
 
-    from xattn.datasets.digits import DIGITS, read_split, tts_utterance_for, tts_voice_name
+    from xattn.datasets.digits import (
+        DIGITS,
+        TTS_SPLIT_SEEDS,
+        TTS_TRAIN_SIZE,
+        read_split,
+        tts_utterance_for,
+        tts_voice_name,
+    )
     from xattn.tasks.audio_codes import SAMPLE_RATE
     from xattn.tasks.speech_synthesis import Speaker
     from xattn.tasks.transcription import Transcriber, transcription_scores
@@ -48,9 +53,9 @@ def main():
         trained = {r["text"] for r in read_split(os.path.join(os.path.dirname(os.path.abspath(args.data)), "train"))}
         drawn = read_split(args.data)
     else:
-        if args.draw in SPLIT_SEEDS:
-            parser.error(f"--draw {args.draw} is the seed of a split ({SPLIT_SEEDS}): choose another")
-        trained = {tts_utterance_for(SPLIT_SEEDS[0], i).text for i in range(TRAIN_SIZE)}
+        if args.draw in TTS_SPLIT_SEEDS.values():
+            parser.error(f"--draw {args.draw} is the seed of a split ({TTS_SPLIT_SEEDS}): choose another")
+        trained = {tts_utterance_for(TTS_SPLIT_SEEDS["train"], i).text for i in range(TTS_TRAIN_SIZE)}
         drawn = (asdict(tts_utterance_for(args.draw, i)) for i in range(100 * args.count))
     rows = [r for r in drawn if set(r["text"].split()) <= set(DIGITS) and r["text"] not in trained]
     rows = rows[: args.count]  # digit strings the TTS never heard spoken (a short one can recur by chance)

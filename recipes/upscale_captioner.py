@@ -11,7 +11,7 @@ import os
 import shutil
 
 import torch
-from transformers import AutoImageProcessor, AutoTokenizer, GenerationConfig, VisionEncoderDecoderModel
+from transformers import AutoImageProcessor, AutoTokenizer, VisionEncoderDecoderModel
 
 CARRIED = ("processor_config.json",)  # files of the checkpoint that the new one keeps as they are
 
@@ -33,8 +33,7 @@ def upscale(source: str, out: str, image_size: int) -> None:
     state = model.state_dict()
     state["encoder.embeddings.position_embeddings"] = positions
     upscaled.load_state_dict(state)
-    upscaled.generation_config = GenerationConfig.from_model_config(config) if model.generation_config is None \
-        else model.generation_config
+    upscaled.generation_config = model.generation_config
     upscaled.save_pretrained(out)
 
     AutoTokenizer.from_pretrained(source).save_pretrained(out)

@@ -45,7 +45,7 @@ def test_eval_tts_draws_held_out_strings_from_a_new_seed_and_scores_each_voice(t
                           "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     spoken = [line.split("'")[1] for line in run.stdout.splitlines() if " -> " in line]
-    trained = {tts_utterance_for(21, i).text for i in range(6000)}  # make_tts_data.py's train split
+    trained = {tts_utterance_for(21, i).text for i in range(6000)}  # make_tts_data.py's train split (its defaults)
     assert len(spoken) == 3 and all(set(t.split()) <= set(DIGITS) and t not in trained for t in spoken)
     scores = json.loads(out.read_text())
     assert scores["utterances"] == 3 and sum(v["utterances"] for v in scores["per_voice"].values()) == 3

@@ -33,6 +33,10 @@ SPEEDS = (100, 260)  # words per minute, uniform: slow to fast talkers (espeak-n
 PITCHES = (25, 75)  # espeak-ng's 0-99 scale, uniform
 # the TTS learns to speak like these: name -> (voice, variant, speed, pitch), all fixed
 TTS_VOICES = {"us-female": ("en-us", "f3", 170, 55), "gb-male": ("en-gb", "m1", 170, 40)}
+# the TTS splits' seeds (recipes/make_tts_data.py) and the train split's size: eval_tts.py draws held-out strings
+# from other seeds and leaves out the train split's texts
+TTS_SPLIT_SEEDS = {"train": 21, "validation": 22, "test": 23}
+TTS_TRAIN_SIZE = 6000
 TTS_WORDS = ("hello", "yes", "no", "okay", "stop", "go", "thank you", "goodbye")  # a few words besides digits
 NO_SPEECH_SHARE = 0.03  # of the training split: files without speech, transcribed as empty text
 NO_SPEECH_SECONDS = (0.5, 3.0)  # uniform

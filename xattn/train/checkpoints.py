@@ -162,7 +162,7 @@ def _check_same_run(path: str, config, run_options: dict) -> None:
 
 
 def _shown(value) -> str:
-    return {True: "on", False: "off"}.get(value, repr(value)) if isinstance(value, bool) else repr(value)
+    return ("on" if value else "off") if isinstance(value, bool) else repr(value)
 
 
 def _fix_words(output_dir: str, broken: str | None) -> str:
