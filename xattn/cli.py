@@ -133,7 +133,7 @@ def _bench_serve(args) -> int:
 def _generation_kwargs(args) -> dict:
     names = ("max_new_tokens", "num_beams", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p",
              "repetition_penalty", "length_penalty")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None and getattr(args, n) is not False}
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 def _add_generation_flags(parser) -> None:
@@ -142,7 +142,8 @@ def _add_generation_flags(parser) -> None:
     group.add_argument("--num-beams", type=POSITIVE, help="beam search with this many beams (1: no beam search)")
     group.add_argument("--num-return-sequences", type=POSITIVE, help="results per input (at most --num-beams "
                        "with beam search)")
-    group.add_argument("--do-sample", action="store_true", help="sample instead of picking the likeliest token")
+    group.add_argument("--do-sample", action=argparse.BooleanOptionalAction, help="sample instead of picking the "
+                       "likeliest token (--no-do-sample: don't, where the model's default samples)")
     group.add_argument("--temperature", type=number(0, low_open=True), help="sampling temperature (> 0)")
     group.add_argument("--top-k", type=integer(0), help="sample among the k likeliest tokens (0: all)")
     group.add_argument("--top-p", type=number(0, 1, low_open=True), help="nucleus sampling: the likeliest tokens "

@@ -23,14 +23,16 @@ from .fields import SpeechRequest, flag, openai_temperature, request_options, wi
 from .inflight import InflightBatcher
 from .limits import ApiError, LimitsMiddleware, add_error_handlers, deadline_left, file_error
 from .metrics import MeasuredMiddleware, Metrics
-from .options import FIELDS
+from .options import FIELDS, Generation, shown
 from .runners import (
+    ATTENTION,
     CaptionItem,
     CaptionRequests,
     SpeechItem,
     Uploads,
     caption_batch,
     pcm16,
+    attention_map_png,
     speech_batch,
     transcribe_batch,
     wav_header,
@@ -96,6 +98,8 @@ def _load(kind: str, settings: Settings):
 def create_app(settings: Settings | None = None, *, captioner=None, transcriber=None, speaker=None) -> FastAPI:
     """The app; models are loaded here (the shipped ones unless settings say otherwise) unless given."""
     settings = settings or Settings()
+    if settings.api_key is not None and not (settings.api_key.isascii() and settings.api_key.isprintable()):
+        raise ValueError("--api-key: use printable ASCII characters (an HTTP header carries the key as bytes)")
     if settings.threads:
         import torch
 
@@ -168,6 +172,14 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         except ValueError as error:
             raise file_error(str(error)) from None
 
+    def check_rows(options: Generation) -> Generation:
+        """Refused at once: a request needing more decoding rows than --max-batch-size (its beams or samples)."""
+        if options.rows > settings.max_batch_size:
+            name = "num_beams" if dict(options.kwargs).get("num_beams", 1) == options.rows else "num_return_sequences"
+            raise ApiError(422, f"{name}: this request needs {options.rows} decoding rows; this server runs at most "
+                           f"{settings.max_batch_size} per request (--max-batch-size)")
+        return options
+
     async def submit(task: str, key, item):
         try:
             return await batcher(task).submit(key, item)
@@ -188,7 +200,7 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         from ..tasks.vision import load_image
 
         with_map = flag("attention_map", attention_map)
-        options = request_options(generation_fields, captioner.engine.generation_config)
+        options = check_rows(request_options(generation_fields, captioner.engine.generation_config))
 
         def loader(path: str) -> CaptionItem:
             return CaptionItem(captioner.load(path), load_image(path) if with_map else None)
@@ -196,7 +208,12 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         async def work():
             item = await load(request, "caption", file, loader, IMAGE_EXTENSIONS)
             alone = object() if options.seed is not None or with_map else None  # unequal to every other key
-            return await submit("caption", (options, with_map, alone), item)
+            record = await submit("caption", (options, with_map, alone), item)
+            if with_map:
+                attention = record.pop(ATTENTION)
+                record["attention_map_png"] = await asyncio.get_running_loop().run_in_executor(
+                    loading, attention_map_png, item.image, attention)
+            return record
 
         return await run(request, work)
 
@@ -218,7 +235,7 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         from ..tasks.transcription import AUDIO_EXTENSIONS
 
         if response_format not in ("json", "text", "verbose_json"):
-            raise ApiError(422, f"response_format: {response_format!r} is not supported; use json, text or "
+            raise ApiError(422, f"response_format: {shown(response_format)} is not supported; use json, text or "
                            "verbose_json")
         if prompt:
             raise ApiError(422, "prompt: this recognizer takes no prompt; leave it empty")
@@ -226,7 +243,7 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         heat = openai_temperature(temperature)
         if heat:
             fields.update(do_sample="true", temperature=str(heat))
-        options = request_options(fields, transcriber.engine.generation_config)
+        options = check_rows(request_options(fields, transcriber.engine.generation_config))
 
         async def work():
             waveform = await load(request, "transcribe", file, transcriber.load, AUDIO_EXTENSIONS)
@@ -254,7 +271,7 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         from ..tasks.speech_synthesis import check_text
 
         if body.response_format not in ("wav", "pcm"):
-            raise ApiError(422, f"response_format: {body.response_format!r} is not supported; use wav or pcm (16-bit "
+            raise ApiError(422, f"response_format: {shown(body.response_format)} is not supported; use wav or pcm (16-bit "
                            f"mono at {SAMPLE_RATE} Hz)")
         if body.speed != 1.0:
             raise ApiError(422, "speed: this speaker speaks at one speed; leave it at 1.0")
@@ -263,7 +280,9 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
             voice = speaker.check_voice(body.voice)
         except ValueError as error:
             raise ApiError(422, str(error)) from None
-        options = request_options({n: getattr(body, n) for n in FIELDS}, speaker.engine.generation_config)
+        options = check_rows(request_options({n: getattr(body, n) for n in FIELDS}, speaker.engine.generation_config))
+        if options.num_return_sequences > 1:
+            raise ApiError(422, "num_return_sequences: speech streams one audio; leave it at 1")
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
         item = SpeechItem(text, voice, options, lambda piece: loop.call_soon_threadsafe(chunks.put_nowait, piece))
@@ -338,8 +357,9 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         async def index() -> RedirectResponse:
             return RedirectResponse("/docs")
 
-    app.add_middleware(MeasuredMiddleware, metrics=metrics)
-    app.add_middleware(LimitsMiddleware, max_body=int(settings.max_upload_mb * 2**20), api_key=settings.api_key)
+    app.add_middleware(LimitsMiddleware, max_body=int(settings.max_upload_mb * 2**20), api_key=settings.api_key,
+                       timeout_s=settings.timeout_s)
+    app.add_middleware(MeasuredMiddleware, metrics=metrics)  # the outer one: refusals (401, 413, 408) counted too
     return app
 
 

@@ -15,7 +15,7 @@ from pydantic import Field as PydanticField
 
 from ..argtypes import number
 from .limits import ApiError
-from .options import FIELDS, OptionError, generation, parse_bool
+from .options import FIELDS, OptionError, generation, parse_bool, shown
 
 
 def request_options(fields: dict | None, generation_config):
@@ -43,23 +43,38 @@ def openai_temperature(value: str | None) -> float:
 
 def with_generation_fields(exclude: tuple[str, ...] = ()):
     """Adds the CLI's generation options as optional form fields to a multipart endpoint, handed to it as the
-    dict `generation_fields` (FastAPI reads the signature: each field is in the docs with the CLI's help)."""
+    dict `generation_fields` (FastAPI reads the signature: each field is in the docs with the CLI's help). The
+    endpoint takes `request`; a field it does not declare, or one given twice, is refused (422), as the CLI refuses
+    an unknown or repeated flag's value would be lost: a misspelt option must not pass unnoticed."""
     def decorate(endpoint):
         names = [n for n in FIELDS if n not in exclude]
 
         @functools.wraps(endpoint)
         async def wrapper(*args, **kwargs):
+            await check_form(kwargs["request"], declared)
             kwargs["generation_fields"] = {n: kwargs.pop(n, None) for n in names}
             return await endpoint(*args, **kwargs)
 
         signature = inspect.signature(endpoint)
         params = [p for p in signature.parameters.values() if p.name != "generation_fields"]
+        declared = {p.name for p in params if p.name != "request"} | set(names)
         kind = {int: "integer", float: "number", bool: "true or false"}
         params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
             str | None, Form(description=f"{kind[FIELDS[n].kind]}: {FIELDS[n].help}")]) for n in names]
         wrapper.__signature__ = signature.replace(parameters=params)
         return wrapper
     return decorate
+
+
+async def check_form(request, declared: set[str]) -> None:
+    """422 for a form field the endpoint does not declare, or a field sent more than once."""
+    form = await request.form()  # parsed once by FastAPI already: this is its cached copy
+    for name in dict.fromkeys(form.keys()):
+        if name not in declared:
+            raise ApiError(422, f"{shown(name)}: not a field of this endpoint; it takes {', '.join(sorted(declared))}")
+        count = len(form.getlist(name))
+        if count > 1:
+            raise ApiError(422, f"{shown(name)}: sent {count} times; send it once (one request per file)")
 
 
 def _speech_request() -> type[BaseModel]:
@@ -72,8 +87,8 @@ def _speech_request() -> type[BaseModel]:
         "model": (str | None, {"default": None, "description": "accepted for OpenAI clients; one speaker per server"}),
         "speed": (float, {"default": 1.0, "description": "1.0 only"}),
     }
-    for name, field in FIELDS.items():
-        fields[name] = (field.kind | None, {"default": None, "description": field.help})
+    for name, field in FIELDS.items():  # strict: JSON true is not seed 1, "5" is not 5
+        fields[name] = (field.kind | None, {"default": None, "description": field.help, "strict": True})
     return create_model("SpeechRequest", __config__=ConfigDict(extra="forbid"),
                         **{n: (t, PydanticField(**kw)) for n, (t, kw) in fields.items()})
 

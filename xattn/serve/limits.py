@@ -4,6 +4,7 @@ and while the body streams in, before any of it is parsed or stored."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 415: "unsupported_media_type", 422: "invalid_request_error",
+               408: "timeout", 413: "request_too_large", 415: "unsupported_media_type", 422: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "unavailable", 504: "timeout"}
 
 # messages of the CLI's file checks (xattn/tasks/vision.py, audio.py) that say the bytes are not a format we read
@@ -49,11 +50,12 @@ def deadline_left(request, timeout_s: float) -> float:
 
 class LimitsMiddleware:
     """Pure ASGI: bearer-token auth on /v1/ (401 before the body is read), a request body of at most
-    max_body bytes (413 from Content-Length at once, or when a streamed body passes it), and the request's start
-    time for its deadline."""
+    max_body bytes (413 from Content-Length at once, or when a streamed body passes it) that arrives whole within
+    the request's deadline (408: a client sending slowly holds nothing past it), and the request's start time for
+    its deadline."""
 
-    def __init__(self, app, max_body: int, api_key: str | None):
-        self.app, self.max_body, self.api_key = app, max_body, api_key
+    def __init__(self, app, max_body: int, api_key: str | None, timeout_s: float = 60.0):
+        self.app, self.max_body, self.api_key, self.timeout_s = app, max_body, api_key, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -66,15 +68,23 @@ class LimitsMiddleware:
         length = headers.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body:
             return await _answer(send, 413, self._too_large(int(length)), {"Connection": "close"})
-        seen = 0
+        seen, whole = 0, False
+        deadline = scope["state"]["xattn_started"] + self.timeout_s
 
         async def counted_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:  # the body is in: what follows is the disconnect, awaited as long as the request lives
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {self.timeout_s:g} s (--timeout-s)",
+                               {"Connection": "close"}) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
                     raise ApiError(413, self._too_large(), {"Connection": "close"})
+                whole = not message.get("more_body", False)
             return message
 
         await self.app(scope, counted_receive, send)
@@ -84,7 +94,7 @@ class LimitsMiddleware:
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def _too_large(self, length: int | None = None) -> str:
-        size = f"{length / 2**20:.1f} MB" if length is not None else "more"
+        size = f"{length / 2**20:.1f} MB" if length is not None else f"over {self.max_body / 2**20:g} MB"
         return f"the request body is {size}; this server takes at most {self.max_body / 2**20:g} MB (--max-upload-mb)"
 
 
@@ -109,6 +119,11 @@ def add_error_handlers(app: FastAPI) -> None:
         first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "form"))
         message = f"{where}: {first['msg']}" if where else first["msg"]
+        if where == "file" and first.get("type") in ("value_error", "missing"):  # a part without a filename is text
+            said = "Field required" if first["type"] == "missing" else "not a file part"
+            message = f"file: {said}; send the upload as the multipart field 'file', a file part with a filename"
+        elif not where and first.get("type") in ("model_attributes_type", "dict_type", "json_invalid"):
+            message = f"the body: {first['msg']}; send a JSON object (Content-Type: application/json)"
         return JSONResponse(error_body(422, message), 422)
 
     @app.exception_handler(Exception)

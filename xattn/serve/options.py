@@ -18,6 +18,12 @@ class OptionError(ValueError):
     """A request field the CLI would refuse (422), one line naming the field."""
 
 
+def shown(value, limit: int = 80) -> str:
+    """A client's value as a message quotes it: its repr, cut to `limit` characters (a message stays one line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @dataclass(frozen=True)
 class Field:
     name: str  # the CLI flag's dest: max_new_tokens, do_sample, seed...
@@ -31,7 +37,7 @@ def _cli_fields() -> dict[str, Field]:
     _add_generation_flags(parser)
     fields = {}
     for action in parser._actions:
-        if action.nargs == 0:  # store_true
+        if action.nargs == 0:  # a switch (--do-sample / --no-do-sample)
             fields[action.dest] = Field(action.dest, bool, action.help, None)
         else:
             kind = int if getattr(action.type, "__name__", "") == "integer" else float
@@ -48,13 +54,15 @@ def parse_field(name: str, value) -> int | float | bool | None:
     if value is None:
         return None
     field = FIELDS[name]
+    if isinstance(value, str) and not value.strip():  # an empty form field: absent
+        return None
     if field.kind is bool:
         return parse_bool(name, value)
     if isinstance(value, bool):  # JSON true is not a number
         raise OptionError(f"{name}: expected a number, got {value!r}")
     text = value.strip() if isinstance(value, str) else repr(value)
-    if text == "":
-        return None
+    if len(text) > 100:  # longer than any number the parsers take; not quoted back whole
+        raise OptionError(f"{name}: expected a number, got {shown(text)}")
     try:
         return field.parse(text)
     except argparse.ArgumentTypeError as error:
@@ -68,7 +76,7 @@ def parse_bool(name: str, value) -> bool:
     text = str(value if value is not None else "").strip().lower()
     if text in _TRUE or text in _FALSE:
         return text in _TRUE
-    raise OptionError(f"{name}: expected true or false, got {str(value)!r}")
+    raise OptionError(f"{name}: expected true or false, got {shown(str(value))}")
 
 
 @dataclass(frozen=True)
@@ -89,14 +97,21 @@ class Generation:
     def num_return_sequences(self) -> int:
         return dict(self.kwargs).get("num_return_sequences", 1)
 
+    @property
+    def rows(self) -> int:
+        """Decoding rows the request takes: its beams, or its samples (at least 1)."""
+        kwargs = dict(self.kwargs)
+        return max(kwargs.get("num_beams", 1), kwargs.get("num_return_sequences", 1))
+
 
 def generation(values: dict, generation_config=None) -> Generation:
-    """Parse the request's generation fields (absent ones: the model's default, as the CLI) and check their
-    combination with the engine's own rules against the model's generation_config; OptionError otherwise."""
+    """Parse the request's generation fields (absent ones: the model's default, as the CLI; do_sample false turns
+    off a model's default sampling, as --no-do-sample) and check their combination with the engine's own rules
+    against the model's generation_config; OptionError otherwise."""
     kwargs = {}
     for name, value in values.items():
         parsed = parse_field(name, value)
-        if parsed is not None and parsed is not False:  # as the CLI: an unset flag leaves the model's default
+        if parsed is not None:
             kwargs[name] = parsed
     seed = kwargs.pop("seed", None)
     try:

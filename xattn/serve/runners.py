@@ -67,7 +67,7 @@ def caption_batch(captioner, metrics=None) -> Callable[[Any, list[CaptionItem]],
         out = _per_item(records, "caption", options, len(items))
         if with_map:
             for item, result in zip(items, out):
-                result["attention_map_png"] = _attention_map(captioner, item.image, options)
+                result[ATTENTION] = captioner.attention(item.image, **options.generate_kwargs())
         return out
 
     return batch
@@ -93,14 +93,22 @@ class CaptionRequests:
         _count_tokens(self.metrics, "caption", self.captioner.tokenizer, [r["caption"] for r in records])
         out = _per_item(records, "caption", options, 1)[0]
         if with_map:
-            out["attention_map_png"] = _attention_map(self.captioner, item.image, options)
+            out[ATTENTION] = self.captioner.attention(item.image, **options.generate_kwargs())
         return out
 
 
-def _attention_map(captioner, image, options: Generation) -> str:
+# a record's attention (the model's part of a map, computed with the caption), drawn by attention_map_png outside
+# the decode thread: drawing takes a second or so, which the other requests must not wait for
+ATTENTION = "_attention"
+
+
+def attention_map_png(image, attention) -> str:
+    """The attention map (Captioner.attention_map's picture) as base64 PNG."""
+    from ..tasks.captioning import draw_attention
+
     with tempfile.TemporaryDirectory(prefix="xattn-map-") as folder:
         path = os.path.join(folder, "map.png")
-        captioner.attention_map(image, path, **options.generate_kwargs())
+        draw_attention(image, attention, path)
         with open(path, "rb") as f:
             return base64.b64encode(f.read()).decode()
 

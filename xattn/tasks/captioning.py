@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -125,6 +126,14 @@ class Captioner:
     def attention_map(self, image, path: str, **generate_kwargs) -> str:
         """Caption one image and draw, for each generated token, its cross-attention over the image patches
         (mean over layers and heads) as a PNG grid. Returns the caption."""
+        attention = self.attention(image, **generate_kwargs)
+        draw_attention(image, attention, path)
+        return attention.caption
+
+    @torch.no_grad()
+    def attention(self, image, **generate_kwargs) -> Attention:
+        """Caption one image with each kept word's cross-attention over the image patches (the model's part of
+        attention_map; draw_attention draws it)."""
         pixels = pixel_values(self.processor, [image])
         out = self.engine.generate(pixel_values=pixels, return_dict_in_generate=True, **generate_kwargs)
         ids = out.sequences[:1]
@@ -136,11 +145,22 @@ class Captioner:
         weights = probs.mean(dim=(0, 2))[0, :-1]  # [T-1, S]
         words = [self.tokenizer.decode([int(t)]) for t in ids[0, 1:]]
         keep = [i for i, t in enumerate(ids[0, 1:].tolist()) if t not in self.tokenizer.all_special_ids]
-        _draw_attention(image, weights[keep], [words[i] for i in keep], path)
-        return self.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
+        caption = self.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
+        return Attention(caption, weights[keep], [words[i] for i in keep])
 
 
-def _draw_attention(image, weights: torch.Tensor, words: list[str], path: str) -> None:
+@dataclass(frozen=True)
+class Attention:
+    caption: str
+    weights: torch.Tensor  # [words, encoder positions]: each word's cross-attention, mean over layers and heads
+    words: list[str]
+
+
+MAP_PIXELS = 512  # an attention map draws the image at most this wide and high: it shows patches, not detail
+
+
+def draw_attention(image, attention: Attention, path: str) -> None:
+    """The image, then one panel per word with its attention over the patches, as a PNG grid at `path`."""
     import math
 
     import matplotlib
@@ -148,6 +168,9 @@ def _draw_attention(image, weights: torch.Tensor, words: list[str], path: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    image = image.copy()
+    image.thumbnail((MAP_PIXELS, MAP_PIXELS))  # a 100-megapixel upload costs no more to draw than a small one
+    weights, words = attention.weights, attention.words
     patches = weights.shape[-1]
     side = int(math.isqrt(patches))
     grid = weights[:, patches - side * side:]  # drop the [CLS] position of ViT

@@ -66,7 +66,8 @@ def check_text(text: str) -> str:
         raise ValueError("the text is empty: give some words to say")
     unknown = sorted(set(normal) - set(ALPHABET))
     if unknown:
-        raise ValueError(f"the text has characters this voice cannot say: {''.join(unknown)!r}; use letters a-z, "
+        shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
+        raise ValueError(f"the text has characters this voice cannot say: {shown!r}; use letters a-z, "
                          "spaces and apostrophes (spell digits as words: 'four two')")
     if len(normal) > MAX_TEXT:
         raise ValueError(f"the text is {len(normal)} characters long; at most {MAX_TEXT} at once (split it)")
