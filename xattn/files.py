@@ -1,4 +1,7 @@
-"""Writing user files safely: every output is checked before any work (one-line errors naming the option), and
+"""Reading user files safely: an input is checked to be a regular file before it is opened (opening a FIFO
+blocks until a writer comes, a device can be endless).
+
+Writing user files safely: every output is checked before any work (one-line errors naming the option), and
 written to a temporary file beside it that replaces the target only when complete, so a refusal, a kill or a
 full disk never leaves a truncated file where a good one was."""
 
@@ -10,6 +13,20 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
+
+
+def check_input(path: str) -> None:
+    """ValueError (one line, naming the file) unless `path` is a regular file, after following symlinks: never
+    opens it, so a FIFO, a device or a folder is refused without blocking."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except OSError as error:  # a name too long, a loop of links, a folder we cannot search...
+        raise ValueError(f"{path}: cannot read ({error.strerror or error})") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a device, pipe or socket"
+        raise ValueError(f"{path}: not a regular file ({kind})")
 
 
 def check_output(path: str, option: str, extensions: tuple[str, ...] | None = None) -> None:
