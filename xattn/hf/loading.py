@@ -37,9 +37,13 @@ def refuse_custom_code(path: str) -> None:
         try:
             with open(file, encoding="utf-8") as f:
                 content = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
             raise ValueError(f"{file}: not a readable JSON file ({_first_line(error)})") from None
-        if _has_key(content, "auto_map"):
+        try:
+            custom = _has_key(content, "auto_map")
+        except RecursionError:  # parsed, but nested too deep to walk
+            raise ValueError(f"{file}: nested too deeply to be a checkpoint's settings") from None
+        if custom:
             raise ValueError(f"{file}: the checkpoint asks to run its own Python code (auto_map); xattn never "
                              "runs code shipped with a checkpoint")
 
@@ -86,25 +90,91 @@ def load_feature_extractor(path: str):
     return _call("feature extractor (preprocessor_config.json)", AutoFeatureExtractor.from_pretrained, path)
 
 
+MAX_LAYERS = 1000  # past any real model (GPT-2 XL: 48); transformers builds what config.json asks before any weight
+
+
 def load_model(model_class, path: str, **kwargs):
     """model_class.from_pretrained(path, trust_remote_code=False, **kwargs); safetensors only unless the caller
-    says otherwise. Corrupt weights files are one-line errors naming the checkpoint."""
+    says otherwise, in float32 unless the caller gives a dtype (hub checkpoints saved in fp16/bf16 run as the
+    CLI's float32 inputs do). Corrupt weights files, weights that leave some of the model's tensors unset (which
+    transformers would fill with random values) and absurd layer counts are one-line errors naming the checkpoint."""
+    import torch
+
     kwargs.setdefault("use_safetensors", True)
-    return _call("weights", model_class.from_pretrained, path, **kwargs)
+    kwargs.setdefault("dtype" if _transformers_major() >= 5 else "torch_dtype", torch.float32)
+    _refuse_absurd_depth(path)
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its table of missing keys: refused below in one line instead
+    try:
+        model, info = _call("weights", model_class.from_pretrained, path, output_loading_info=True, **kwargs)
+    except ValueError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise ValueError(f"{path}: its weights' shapes do not match config.json (a damaged config.json, or another "
+                         "model's weights)") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    missing = list(info.get("missing_keys") or []) + [str(m[0] if isinstance(m, tuple) else m)
+                                                      for m in info.get("mismatched_keys") or []]
+    if missing:
+        raise ValueError(f"{path}: its weights do not set {len(missing)} of the model's tensors (first: {missing[0]}); "
+                         "the weights file and config.json do not match (a truncated or foreign checkpoint?)")
+    _refuse_tokens_outside_the_vocabulary(model, path)
+    return model
+
+
+def _refuse_tokens_outside_the_vocabulary(model, path: str) -> None:
+    """The ids generation starts and stops with must be rows of the output embeddings (else an IndexError mid-way)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return
+    vocab = head.weight.shape[0]
+    for where in (model.config, getattr(model, "generation_config", None)):
+        for name in ("decoder_start_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(where, name, None)
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(token, int) and not 0 <= token < vocab:
+                    raise ValueError(f"{path}: {name}={token} is outside the model's vocabulary (0..{vocab - 1})")
+
+
+def _refuse_absurd_depth(path: str) -> None:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return
+    try:
+        with open(config) as f:
+            values = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return  # load_config's own error says what is wrong with it
+    for key, value in _items(values):
+        if key in ("n_layer", "num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers") and \
+                isinstance(value, int) and value > MAX_LAYERS:
+            raise ValueError(f"{path}: config.json asks for {key}={value}; at most {MAX_LAYERS} (a damaged config?)")
+
+
+def _items(value):
+    """(key, value) of every dict nested in value (a config and its encoder/decoder sub-configs)."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield key, inner
+            yield from _items(inner)
 
 
 def _call(what: str, loader, path: str, **kwargs):
     refuse_custom_code(path)
     try:
         return loader(path, trust_remote_code=False, **kwargs)
-    except (ValueError, OSError, KeyError, TypeError, RuntimeError, AttributeError) as error:
+    except (ValueError, OSError, KeyError, TypeError, RuntimeError, AttributeError, ArithmeticError,
+            IndexError) as error:  # a size of 0 divides by zero, an id past a table indexes out of it
         reason = _first_line(error)
         if not isinstance(error, ValueError):
             reason = f"{type(error).__name__}: {reason}"
         raise ValueError(f"{path}: cannot load the checkpoint's {what} ({reason}){_pickle_hint(what, path, kwargs)}") \
             from None
     except Exception as error:  # safetensors' SafetensorError for a corrupt weights file, and the like
-        if type(error).__module__.split(".")[0] not in ("safetensors", "tokenizers", "json"):
+        if type(error).__module__.split(".")[0] not in ("safetensors", "tokenizers", "json", "huggingface_hub"):
             raise
         raise ValueError(f"{path}: cannot load the checkpoint's {what} ({type(error).__name__}: "
                          f"{_first_line(error)})") from None

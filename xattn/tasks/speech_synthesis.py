@@ -121,6 +121,13 @@ class Speaker:
         vocab = self.tokenizer.get_vocab()  # voices are the <name> tokens besides <pad> and <unk>
         self.voices = [t[1:-1] for t in sorted(vocab, key=vocab.get)
                        if t.startswith("<") and t.endswith(">") and t not in ("<pad>", "<unk>")]
+        if not self.voices:
+            raise ValueError(f"{path}: its tokenizer has no voices (<name> tokens); not a speaker's checkpoint")
+        rows = self.model.encoder.get_input_embeddings().num_embeddings
+        past = [t for t, i in vocab.items() if not 0 <= i < rows]
+        if past:  # a token the encoder has no embedding for would fail mid-synthesis
+            raise ValueError(f"{path}: its tokenizer's {past[0]!r} (id {vocab[past[0]]}) is past the encoder's "
+                             f"{rows} embeddings")
 
     @property
     def stop_code(self) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -109,12 +110,26 @@ def main(args) -> int:
         args.model = resolve_checkpoint(args.model, args.revision)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out}: is a file; name a folder")
+    _refuse_to_overwrite_a_run(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = TrainConfig(output_dir=args.out, **{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                                                  if f.name != "output_dir"})
     run(args, config)
     return 0
+
+
+def _refuse_to_overwrite_a_run(args) -> None:
+    """A run without --resume into a folder holding one would replace its checkpoints and final/ at its first save:
+    refused before any work (hours of training are not lost to a forgotten flag)."""
+    from .checkpoints import LATEST
+
+    if args.resume or not os.path.isdir(args.out):
+        return
+    held = sorted(n for n in os.listdir(args.out) if n == LATEST or n == "final" or re.fullmatch(r"checkpoint-\d+", n))
+    if held:
+        raise ValueError(f"--out {args.out}: already holds a run ({', '.join(held[:4])}); pass --resume to continue "
+                         "it, or name another folder (delete this one to start over)")
 
 
 def run(args, config):
