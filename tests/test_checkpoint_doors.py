@@ -110,3 +110,15 @@ def test_training_into_a_folder_holding_a_run_needs_resume(tmp_path, capsys):
     assert code == 2
     _one_line(capsys, f"--out {out}: already holds a run (checkpoint-6, latest); pass --resume")
     assert (out / "checkpoint-6").is_dir() and (out / "latest").read_text() == "checkpoint-6"
+
+
+def test_a_generation_bigger_than_the_machine_is_refused_before_allocating(tmp_path, capsys):
+    assert main(["caption", IMAGE, "--num-beams", "100000000"]) == 2  # was an attempt at 3.6 TB
+    _one_line(capsys, "needs 100000000 decoding rows", "GB of cache alone, more than this machine's")
+    folder = _copy(tmp_path)
+    _edit_json(folder / "generation_config.json", lambda g: g.update(num_beams=10**9))
+    assert main(["caption", IMAGE, "--model", str(folder)]) == 2
+    _one_line(capsys, "needs 1000000000 decoding rows")
+    assert main(["speak", "four", "--num-return-sequences", "3", "-o", str(tmp_path / "x.wav")]) == 2
+    _one_line(capsys, "--num-return-sequences: speak writes one audio")
+    assert not (tmp_path / "x.wav").exists()

@@ -212,6 +212,8 @@ def _speak(args) -> int:
     from .tasks.speech_synthesis import Speaker, check_text
 
     check_text(args.text)
+    if (args.num_return_sequences or 1) > 1:  # candidates past the first would be computed and thrown away
+        raise ValueError("--num-return-sequences: speak writes one audio; leave it at 1")
     check_output(args.output, "-o", (".wav", ".flac", ".aiff", ".aif"))
     if args.spectrogram:
         check_output(args.spectrogram, "--spectrogram", (".png",))

@@ -7,6 +7,7 @@ An `XattnModel` runs the model's own encoder (ViT, a speech encoder, or none whe
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -178,6 +179,7 @@ class XattnModel:
         max_length = prompt_length + opts.max_new_tokens
         positions = max_length - 1  # the last token is never fed back: it needs no position
         self._check_room(prompt_length, opts)
+        self._check_memory(batch * opts.group_size, positions)
         if cache_in is not None:
             cache = self._given_cache(cache_in, prompt, positions, encoder)
             logits = self.decoder.prefill(cache, input_ids=prompt[:, cache.length:])
@@ -194,6 +196,20 @@ class XattnModel:
         sequences = prompt.new_full((prompt.shape[0], max_length), opts.pad_token_id or 0)
         sequences[:, :prompt_length] = prompt
         return _Plan(opts, cache, prompt, sequences, prompt_length, logits)
+
+    def _check_memory(self, rows: int, positions: int) -> None:
+        """Refuse, before allocating it, a generation whose cache and logits alone would not fit this machine's
+        memory (num_beams=10**9 in a generation_config.json, or --num-beams 1e8, would allocate until killed)."""
+        decoder = self.decoder
+        per_row = 2 * decoder.num_layers * decoder.num_heads * decoder.head_dim * positions  # self K/V
+        per_row += getattr(self.decoder.lm_head, "out_features", 0) * 2  # a step's logits and their scores
+        needed = rows * per_row * torch.finfo(decoder.dtype).bits // 8
+        total = physical_memory()
+        if total and needed > total:
+            raise ValueError(f"this generation needs {rows} decoding rows (inputs x beams or sequences) x {positions} "
+                             f"positions: {needed / 2**30:.1f} GB of cache alone, more than this machine's "
+                             f"{total / 2**30:.0f} GB; use fewer beams or sequences, fewer inputs at once or fewer "
+                             "new tokens")
 
     def _check_room(self, prompt_length: int, opts: GenerationOptions) -> None:
         """Refuse a prompt + max_new_tokens past n_positions + 1 (the last token is never fed back)."""
@@ -420,3 +436,11 @@ def _gpt2_parts(model: nn.Module, lm_head: nn.Module | None):
         f"{type(model).__name__} is not a GPT-2 decoder; xattn runs GPT2LMHeadModel / GPT2Model decoders "
         "(alone or inside VisionEncoderDecoderModel / SpeechEncoderDecoderModel)"
     )
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
