@@ -122,3 +122,49 @@ def test_a_generation_bigger_than_the_machine_is_refused_before_allocating(tmp_p
     assert main(["speak", "four", "--num-return-sequences", "3", "-o", str(tmp_path / "x.wav")]) == 2
     _one_line(capsys, "--num-return-sequences: speak writes one audio")
     assert not (tmp_path / "x.wav").exists()
+
+
+def test_preprocessor_sizes_past_reason_are_refused_at_load(tmp_path):
+    from xattn.tasks.transcription import Transcriber
+
+    folder = _copy(tmp_path)
+    _edit_json(folder / "preprocessor_config.json", lambda p: p.update(size={"height": 60000, "width": 60000}))
+    with pytest.raises(ValueError, match=r"preprocessor_config.json resizes images to height=60000"):
+        Captioner(str(folder))  # was a MemoryError per image, blamed on the image
+    recognizer = tmp_path / "rec"
+    shutil.copytree(os.path.join(REPO, "data", "models", "digit-recognizer"), recognizer)
+    for change, message in [({"sampling_rate": 10**9}, "sampling_rate=1000000000"),
+                            ({"num_mel_bins": 10**7, "feature_size": 10**7}, "=10000000; at most 4096"),  # 19 GB
+                            ({"stride": 0}, "stride=0")]:
+        shutil.copy(os.path.join(REPO, "data", "models", "digit-recognizer", "preprocessor_config.json"),
+                    recognizer / "preprocessor_config.json")
+        _edit_json(recognizer / "preprocessor_config.json", lambda p, c=change: p.update(c))
+        with pytest.raises(ValueError, match=message):
+            Transcriber(str(recognizer))
+
+
+def test_a_failing_evaluation_keeps_the_steps_before_it(tmp_path, capsys):
+    from xattn.datasets.scenes import draw, scene_for
+    from xattn.datasets.tokenizer import train_caption_tokenizer
+
+    data = tmp_path / "scenes"
+    for split, count, seed in (("train", 6, 1), ("validation", 2, 2)):
+        (data / split).mkdir(parents=True)
+        with open(data / split / "metadata.jsonl", "w") as f:
+            for i in range(count):
+                draw(scene_for(seed, i)).save(data / split / f"{i}.png")
+                f.write(json.dumps({"file_name": f"{i}.png", "text": scene_for(seed, i).caption}) + "\n")
+    (data / "validation" / "0.png").write_bytes((data / "validation" / "0.png").read_bytes()[:100])  # truncated
+    train_caption_tokenizer([scene_for(1, i).caption for i in range(200)], vocab_size=360).save_pretrained(
+        str(data / "tokenizer"))
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    try:
+        code = main(["train", "--data", str(data), "--model", "new-scene-captioner", "--out", str(out),
+                     "--max-steps", "4", "--batch-size", "2", "--save-every", "4", "--eval-every", "3", "--eval-limit",
+                     "2", "--warmup-steps", "1", "--seed", "3", "--threads", "1", "--mixed-precision", "no"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 2
+    assert "0.png: not a readable image" in capsys.readouterr().err
+    assert (out / "checkpoint-3").is_dir() and (out / "latest").read_text().strip() == "checkpoint-3"

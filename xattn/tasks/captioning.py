@@ -91,6 +91,7 @@ class Captioner:
             raise ValueError(f"{path} is not an image captioner (no vision encoder)")
         self.tokenizer = load_tokenizer(path)
         self.processor = load_image_processor(path)
+        _check_processor_size(self.processor, path)
         self.confidence = Confidence.from_pretrained(path)
         if compile:
             self.engine.compile()
@@ -147,6 +148,19 @@ class Captioner:
         keep = [i for i, t in enumerate(ids[0, 1:].tolist()) if t not in self.tokenizer.all_special_ids]
         caption = self.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
         return Attention(caption, weights[keep], [words[i] for i in keep])
+
+
+MAX_INPUT_SIDE = 4096  # pixels a processor may resize to (ViT-L/14 at 336 px is 336): past it, a damaged config
+
+
+def _check_processor_size(processor, path: str) -> None:
+    """An image processor resizing to absurd sizes would allocate gigabytes per image, blamed on the image."""
+    size = getattr(processor, "size", None)
+    for key in ("height", "width", "shortest_edge", "longest_edge"):
+        value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)  # a dict, or a SizeDict (5.x)
+        if value is not None and (not isinstance(value, int) or not 1 <= value <= MAX_INPUT_SIDE):
+            raise ValueError(f"{path}: preprocessor_config.json resizes images to {key}={value!r}; a size is "
+                             f"1-{MAX_INPUT_SIDE} px")
 
 
 @dataclass(frozen=True)

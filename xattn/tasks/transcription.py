@@ -167,6 +167,7 @@ class Transcriber:
         if getattr(self.engine.encoder, "main_input_name", None) not in ("input_values", "input_features"):
             raise ValueError(f"{path} is not a speech model (no speech encoder)")
         self.tokenizer = load_tokenizer(path)
+        _check_feature_extractor(path)  # before transformers builds it: a mel filter bank is allocated at once
         self.feature_extractor = load_feature_extractor(path)
         self.sampling_rate = self.feature_extractor.sampling_rate
         self.confidence = Confidence.from_pretrained(path)
@@ -279,3 +280,33 @@ def audio_files(paths: list[str]) -> list[str]:
 
     return input_files(paths, AUDIO_EXTENSIONS)
 
+
+
+MAX_FEATURES = 4096  # mel bins / feature size a feature extractor may ask for (Whisper: 128): past it, a damaged config
+
+
+def _check_feature_extractor(path: str) -> None:
+    """preprocessor_config.json asking for absurd rates or sizes (read as JSON: transformers would allocate a filter
+    bank of that size on loading, or gigabytes per file later, blamed on the audio) is refused in one line."""
+    import json
+
+    from .audio import MAX_RATE
+
+    file = os.path.join(path, "preprocessor_config.json")
+    try:
+        with open(file) as f:
+            values = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return  # load_feature_extractor says what is wrong with it
+    if not isinstance(values, dict):
+        return
+    rate = values.get("sampling_rate")
+    if rate is not None and (not isinstance(rate, int) or not 1 <= rate <= MAX_RATE):
+        raise ValueError(f"{file}: sampling_rate={rate!r}; a rate is 1 Hz-{MAX_RATE // 1000} kHz")
+    for name in ("feature_size", "num_mel_bins", "n_fft", "win_length", "frame_length"):
+        value = values.get(name)
+        if value is not None and (not isinstance(value, int) or not 1 <= value <= MAX_FEATURES):
+            raise ValueError(f"{file}: {name}={value!r}; at most {MAX_FEATURES}")
+    stride = values.get("stride")
+    if stride is not None and (not isinstance(stride, int) or stride < 1):
+        raise ValueError(f"{file}: stride={stride!r}; a stride is 1 or more")

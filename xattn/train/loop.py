@@ -173,7 +173,12 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             if evaluate is not None and rank == 0 and (step % config.eval_every == 0 or step == config.max_steps):
-                _evaluate(model, evaluate, history, step, bar)
+                try:
+                    _evaluate(model, evaluate, history, step, bar)
+                except Exception:  # a damaged validation file, say: the steps so far are kept for --resume
+                    if not world:
+                        save_checkpoint(model, optimizer, step, history, config, run_options)
+                    raise
                 _plot(history, loss_png, config.output_dir)
             stopping = stop_after is not None and done_here >= stop_after
             if step % config.save_every == 0 or step == config.max_steps or stopping:
