@@ -21,6 +21,7 @@ import pytest
 import soundfile
 from PIL import Image
 
+from test_hostile_input import _one_line  # tests/ is on sys.path (pytest puts it there)
 from xattn.cli import main
 from xattn.tasks.audio import load_audio, to_mono
 from xattn.tasks.vision import load_image
@@ -40,12 +41,6 @@ def _wav(path, rate: int, frames: int = 100, channels: int = 1) -> str:
     return str(path)
 
 
-def _one_line(err: str, *needles: str) -> None:
-    err = err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in err, (needle, err)
 
 
 def _peak_bytes(call):
@@ -300,17 +295,22 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
+def _png_with(chunk: bytes) -> bytes:
+    """A small PNG with `chunk` inserted before its image data."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), "green").save(buffer, format="PNG")
+    png = buffer.getvalue()
+    idat = png.index(b"IDAT") - 4
+    return png[:idat] + chunk + png[idat:]
+
+
 @pytest.mark.parametrize("chunk", [
     _chunk(b"zTXt", b"comment\0\0" + zlib.compress(b"a" * (4 << 20), 9)),
     _chunk(b"iCCP", b"profile\0\0" + zlib.compress(b"\0" * (4 << 20), 9)),
 ])
 def test_a_png_chunk_that_inflates_past_pillows_limit_is_not_a_readable_image(tmp_path, chunk):
-    buffer = io.BytesIO()
-    Image.new("RGB", (16, 16), "green").save(buffer, format="PNG")
-    png = buffer.getvalue()
-    idat = png.index(b"IDAT") - 4
     path = tmp_path / "bomb.png"
-    path.write_bytes(png[:idat] + chunk + png[idat:])
+    path.write_bytes(_png_with(chunk))
     with pytest.raises(ValueError) as refused:
         load_image(str(path))
     message = str(refused.value)
@@ -319,12 +319,8 @@ def test_a_png_chunk_that_inflates_past_pillows_limit_is_not_a_readable_image(tm
 
 
 def test_a_pillow_value_error_through_the_cli_names_the_file(tmp_path, capsys):
-    buffer = io.BytesIO()
-    Image.new("RGB", (16, 16), "green").save(buffer, format="PNG")
-    png = buffer.getvalue()
-    idat = png.index(b"IDAT") - 4
     path = tmp_path / "ztxt.png"
-    path.write_bytes(png[:idat] + _chunk(b"zTXt", b"c\0\0" + zlib.compress(b"a" * (4 << 20), 9)) + png[idat:])
+    path.write_bytes(_png_with(_chunk(b"zTXt", b"c\0\0" + zlib.compress(b"a" * (4 << 20), 9))))
     assert main(["caption", str(path)]) == 2
     _one_line(capsys.readouterr().err, f"xattn caption: error: {path}: not a readable image (ValueError: ")
 
