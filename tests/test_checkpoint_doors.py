@@ -168,3 +168,16 @@ def test_a_failing_evaluation_keeps_the_steps_before_it(tmp_path, capsys):
     assert code == 2
     assert "0.png: not a readable image" in capsys.readouterr().err
     assert (out / "checkpoint-3").is_dir() and (out / "latest").read_text().strip() == "checkpoint-3"
+
+
+def test_ctrl_c_is_one_line_naming_resume(tmp_path, capsys, monkeypatch):
+    from xattn.train import command
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "main", interrupted)
+    assert main(["train", "--data", str(tmp_path), "--out", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip() == (
+        f"xattn train: interrupted; rerun with --resume to continue from the last checkpoint in {tmp_path / 'out'}")

@@ -534,6 +534,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"xattn {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line (what was written stays: checkpoints, a job's finished lines)
+        if args.debug:
+            raise
+        after = f"; rerun with --resume to continue from the last checkpoint in {args.out}" \
+            if args.command == "train" else ""
+        print(f"\nxattn {args.command}: interrupted{after}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
