@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from test_train import RandomCaptions, collate
 
@@ -27,18 +28,22 @@ train(tiny_captioner(seed=70, **NO_DROPOUT), ragged(), collate, TrainConfig(outp
 """
 
 
-def test_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_two_processes_equal_one(tmp_path, checkpointing):
+    """The one process trains without checkpointing; the two with it chunk the loss, the tied head's gradient put in
+    .grad before DDP's hooks fire."""
     from safetensors.torch import load_file
 
     from conftest import tiny_captioner
 
+    kwargs = {**KWARGS, "gradient_checkpointing": checkpointing}
     data = ragged()
     single = tiny_captioner(seed=70, **NO_DROPOUT)
     train(single, data, collate, TrainConfig(output_dir=str(tmp_path / "one"), **KWARGS), progress=False)
 
     out = str(tmp_path / "two")
     script = tmp_path / "run.py"
-    script.write_text(_RUN.format(tests=os.path.dirname(__file__), out=out, kwargs=KWARGS))
+    script.write_text(_RUN.format(tests=os.path.dirname(__file__), out=out, kwargs=kwargs))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     run = subprocess.run([*torchrun, str(script)], capture_output=True, text=True, env=env, timeout=300)

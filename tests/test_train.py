@@ -107,6 +107,67 @@ def test_the_loops_losses_are_the_encoder_decoder_loss_with_its_gradients(make, 
             assert torch.allclose(reference[key], gradients[key], atol=1e-5, rtol=0), (way, key)
 
 
+def _chunked_and_reference_gradients(model_seed, tie, passes=1, autocast=False):
+    """(reference, chunked) gradients of `passes` backward passes over two batches (accumulated in .grad)."""
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 3, 32, 32, generator=generator), torch.randint(3, 90, (2, 7), generator=generator))
+               for _ in range(passes)]
+    batches[0][1][0, 4:] = -100
+    results = []
+    for way in ("reference", "chunked"):
+        model = tiny_captioner(seed=model_seed, tie_word_embeddings=tie, resid_pdrop=0.0, embd_pdrop=0.0,
+                               attn_pdrop=0.0).train()
+        model.config.use_cache = False
+        assert (model.decoder.lm_head.weight is model.decoder.get_input_embeddings().weight) == tie
+        for pixels, labels in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                if way == "reference":
+                    loss = chunked_loss.full_loss(model, labels=labels, pixel_values=pixels)
+                else:
+                    loss = chunked_loss.loss(model, labels=labels, chunk_rows=3, pixel_values=pixels)
+            loss.backward()
+        results.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return results
+
+
+@pytest.mark.parametrize("tie,passes", [(True, 2), (False, 1), (False, 2)])
+def test_the_chunked_loss_accumulates_gradients_like_autograd(tie, passes):
+    """Gradients already in .grad are added to (gradient accumulation), a head not tied to the embeddings gets its
+    gradient too."""
+    reference, chunked = _chunked_and_reference_gradients(7, tie, passes)
+    assert reference.keys() == chunked.keys() and any("lm_head" in n or "wte" in n for n in reference)
+    for key in reference:
+        assert torch.allclose(reference[key], chunked[key], atol=1e-5, rtol=0), key
+
+
+def test_the_chunked_loss_under_bf16_autocast_is_autocasts_loss():
+    reference, chunked = _chunked_and_reference_gradients(8, True, autocast=True)
+    assert reference.keys() == chunked.keys()
+    for key in reference:  # bf16 products: the two sum in different orders
+        torch.testing.assert_close(chunked[key], reference[key], atol=2e-3, rtol=2e-2, msg=key)
+
+
+def test_the_chunked_loss_puts_the_heads_gradient_in_grad_before_backward_reaches_the_embeddings():
+    """The tied head's gradient (vocab x hidden) must not wait in autograd through the whole backward."""
+    model = tiny_captioner(seed=9).train()
+    model.config.use_cache = False
+    enable_checkpointing(model)
+    embeddings = model.decoder.get_input_embeddings()
+    assert model.decoder.lm_head.weight is embeddings.weight
+    seen = []
+
+    def look(grad):  # runs when backward reaches the embeddings' output, before their own gradient
+        seen.append(None if embeddings.weight.grad is None else embeddings.weight.grad.abs().sum().item())
+
+    def on_output(module, args, out):
+        out.register_hook(look)
+
+    embeddings.register_forward_hook(on_output)
+    labels = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(3))
+    chunked_loss.loss(model, labels=labels, chunk_rows=4, pixel_values=torch.randn(2, 3, 32, 32)).backward()
+    assert seen and seen[0] is not None and seen[0] > 0
+
+
 def test_the_training_loop_chunks_the_loss_with_checkpointing_and_never_takes_the_models_own(tmp_path, monkeypatch):
     calls = {"loss": 0, "full_loss": 0}
 

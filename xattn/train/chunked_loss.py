@@ -4,7 +4,8 @@ transformers' encoder-decoder models compute the loss from the whole logits tens
 floats a token), and autograd keeps it, its log-softmax and, in backward, their gradients: with the layers
 checkpointed these are the largest activations left. Here the model's forward runs with its LM head standing aside
 (the decoder's final hidden states come out instead of logits), and the loss is summed over chunks of rows, each
-chunk's logits recomputed in backward (torch.utils.checkpoint): at most one chunk's logits exist at a time. The
+chunk's logits made again in backward by the loss's own autograd function: at most one chunk's logits exist at a
+time, and the head's weight gradient goes into its .grad chunk by chunk rather than waiting in autograd. The
 loss is the model's own (the mean over labels that are not -100), its gradients equal within float rounding.
 
 `full_loss` is the same loss without chunks, from the model's logits. The training loop uses it rather than the
@@ -19,7 +20,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 IGNORE = -100  # transformers' (and CrossEntropyLoss's) ignored label
 CHUNK_ROWS = 256  # label rows per chunk: 256 x 50257 fp32 logits is 49 MB
@@ -71,22 +72,89 @@ def shift_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id:
     return shifted.masked_fill(shifted == IGNORE, pad_token_id)
 
 
-def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    labels: torch.Tensor) -> torch.Tensor:
-    logits = nn.functional.linear(hidden, weight, bias)
-    return nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The sum over rows of cross_entropy(hidden @ weight.T + bias, labels), logits made chunk_rows rows at a time
+    in forward and made again in backward, so at most one chunk's logits exist at a time.
+
+    The weight's gradient is added into `weight.grad` chunk by chunk, as `.backward()` would leave it, instead of
+    going back through autograd: GPT-2's LM head is tied to the input embeddings, and autograd holds a tied weight's
+    first gradient (vocab x hidden: 147 MB for GPT-2 small) in a buffer until the embedding's arrives, at the very
+    end of backward, through every layer's recomputation. So this loss is for `.backward()` (the training loop), not
+    for `torch.autograd.grad`, and tensor hooks on the weight do not see its share."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_rows):
+        cast = _autocast_dtype(hidden.device.type)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, labels.numel(), chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits = _logits(hidden[rows], weight, bias, cast)
+            total += nn.functional.cross_entropy(logits, labels[rows], ignore_index=IGNORE, reduction="sum")
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.chunk_rows, ctx.cast = chunk_rows, cast
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_total):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants_bias else None
+        # a leaf (an nn.Parameter) takes its share in .grad at once; anything else gets it back through autograd
+        into = None
+        if wants_weight:
+            if weight.is_leaf and weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            into = weight.grad if weight.is_leaf else torch.zeros_like(weight)
+        for start in range(0, labels.numel(), ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            chunk, targets = hidden[rows], labels[rows]
+            grad = _logits(chunk, weight, bias, ctx.cast)
+            grad.sub_(grad.logsumexp(-1, keepdim=True)).exp_()  # softmax, in place: one chunk-sized tensor
+            kept = targets != IGNORE
+            grad[kept.nonzero().squeeze(1), targets[kept]] -= 1
+            grad[~kept] = 0
+            grad.mul_(grad_total)
+            dtype = ctx.cast or weight.dtype
+            if wants_hidden:
+                grad_hidden[rows] = grad.to(dtype) @ weight.to(dtype)
+            if into is not None:
+                if dtype == into.dtype and chunk.dtype == into.dtype:
+                    into.addmm_(grad.t(), chunk)
+                else:
+                    into.add_(grad.to(dtype).t() @ chunk.to(dtype))
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        grad_weight = into if into is not None and not weight.is_leaf else None
+        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts matrix products to on this device, None when it is off: backward runs without the
+    forward's autocast state, so the forward's is kept for it."""
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            cast: torch.dtype | None) -> torch.Tensor:
+    if cast is not None:  # as autocast's linear would: inputs cast, the product in that dtype
+        hidden, weight = hidden.to(cast), weight.to(cast)
+        bias = bias.to(cast) if bias is not None else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        return nn.functional.linear(hidden, weight, bias).float()
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
                           chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
-    """mean over non-ignored labels of cross_entropy(head(hidden), labels), chunk_rows rows at a time."""
+    """mean over non-ignored labels of cross_entropy(head(hidden), labels), chunk_rows rows at a time (see
+    _LinearCrossEntropy: the head's weight gradient goes into its .grad during backward)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, labels.numel(), chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        total = total + checkpoint(_chunk_loss_sum, hidden[rows], head.weight, head.bias, labels[rows],
-                                   use_reentrant=False)
+    total = _LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk_rows)
     return total / (labels != IGNORE).sum()  # 0/0 = nan when every label is ignored, as CrossEntropyLoss gives
 
 
