@@ -157,3 +157,18 @@ def pytest_runtest_setup(item):
         if not kernels.available():
             pytest.skip("needs xattn's kernels (g++, x86-64 with AVX2 + FMA, XATTN_NO_KERNELS unset); a failed "
                         "build's warning says why")
+
+
+@pytest.fixture(params=["avx2", "vnni"])
+def int8_kernel(request):
+    """Each int8 kernel of xattn's in turn (skipped where the CPU lacks AVX-512 VNNI), the default restored after."""
+    from xattn.fast import kernels
+
+    if not kernels.available():
+        pytest.skip("needs xattn's kernels")
+    default = kernels.int8_kernel()
+    if request.param == "vnni" and default != "vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI (or XATTN_INT8_KERNEL=avx2)")
+    kernels.int8_kernel(request.param)
+    yield request.param
+    kernels.int8_kernel(default)

@@ -79,8 +79,8 @@ def test_fused_step_without_cross_attention():
         assert torch.allclose(with_fused, with_blocks, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8, 20])  # xattn's int8 products up to 4 rows, fbgemm's from 5
-def test_fused_int8_step_stays_close_to_the_blocks(rows, fused_calls):
+@pytest.mark.parametrize("rows", [1, 4, 8, 20])  # AVX2: xattn's int8 products up to 4 rows, fbgemm's from 5
+def test_fused_int8_step_stays_close_to_the_blocks(rows, fused_calls, int8_kernel):
     decoder = xattn.from_hf(tiny_captioner(seed=63), weights="int8").decoder
     states = torch.randn(rows // 4 or 1, 17, 32, generator=torch.Generator().manual_seed(3))
     caches = _caches(decoder, rows=rows, states=states)
@@ -129,9 +129,10 @@ def test_bad_input_to_the_kernel_is_refused():
                                fused.scalings, 1e-5)
 
 
-def test_compiled_int8_step_equals_the_eager_step(fused_calls):
-    """From 5 rows the int8 step calls fbgemm from the kernel; compiled, it runs as one opaque op that does the
-    same, so compiling changes only the rounding of what the compiler generates around it (final norm, head)."""
+def test_compiled_int8_step_equals_the_eager_step(fused_calls, int8_kernel):
+    """From 5 rows the int8 step calls fbgemm from the kernel (AVX2 alone); compiled, it runs as one opaque op that
+    does the same, so compiling changes only the rounding of what the compiler generates around it (final norm,
+    head)."""
     torch._dynamo.reset()
     decoder = xattn.from_hf(tiny_captioner(seed=67), weights="int8").decoder
     states = torch.randn(2, 17, 32, generator=torch.Generator().manual_seed(9))

@@ -53,6 +53,53 @@ def test_fp32_and_int8_products_equal_torch_within_rounding(rows, k, n):
     assert error < 0.02 * exact.abs().max()  # and close to the unquantized activations' result
 
 
+def _vnni_or_skip():
+    if kernels.int8_kernel() != "vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI (or XATTN_INT8_KERNEL=avx2)")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17, 64, 70])
+@pytest.mark.parametrize("k,n", [(32, 37), (768, 2304), (3072, 16), (20, 13), (8, 1), (100, 9)])
+def test_the_vnni_and_avx2_int8_kernels_give_the_same_bits(rows, k, n):
+    """AVX-512 VNNI's product adds x + 128 times w and takes 128 x the row's sum off again; AVX2's moves x's sign onto
+    w: the same int32 sums, so the same results, at every row count and tail of N and K; and each row's result does
+    not depend on the rows beside it."""
+    _vnni_or_skip()
+    generator = torch.Generator().manual_seed(rows * 7 + k + n)
+    x = torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 5
+    x[0, : k // 2] = 0  # a zero half, and below the extremes of the int8 range
+    quantized = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    quantized[0] = 127  # the row sums' extremes
+    quantized[-1] = -127
+    blocks, scales, bias = kernels.int8_blocks(quantized), torch.rand(n, generator=generator), torch.randn(n)
+    try:
+        vnni = kernels.matvec_int8(x, blocks, n, scales, bias)
+        by_row = torch.cat([kernels.matvec_int8(x[i:i + 1], blocks, n, scales, bias) for i in range(rows)])
+        kernels.int8_kernel("avx2")
+        avx2 = kernels.matvec_int8(x, blocks, n, scales, bias)
+    finally:
+        kernels.int8_kernel("vnni")
+    assert torch.equal(vnni, avx2)
+    assert torch.equal(by_row, vnni)
+    x_scales = x.abs().amax(dim=1, keepdim=True) / 127
+    expected = ((x / x_scales).round().double() @ quantized.double().t()) * x_scales.double() * scales.double() + bias
+    assert torch.allclose(vnni.double(), expected, atol=1e-4, rtol=1e-5)  # and both are the product asked for
+
+
+def test_the_int8_kernel_is_chosen_by_name_and_refuses_others():
+    chosen = kernels.int8_kernel()
+    assert chosen in ("avx2", "vnni")
+    assert kernels.int8_kernel(chosen) == chosen
+    with pytest.raises(RuntimeError, match="expected 'avx2' or 'vnni'"):
+        kernels.int8_kernel("avx512")
+    assert kernels.int8_kernel() == chosen
+    # XATTN_INT8_KERNEL=avx2 picks AVX2 when the library loads, in a fresh process
+    code = "from xattn.fast import kernels; kernels.available(); print(kernels.int8_kernel())"
+    env = dict(os.environ, XATTN_INT8_KERNEL="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.stdout.strip() == "avx2", out.stderr[-2000:]
+
+
 def test_leading_dimensions_are_kept_and_bad_input_is_refused():
     x = torch.randn(2, 3, 16)
     weight = torch.randn(5, 16)

@@ -11,13 +11,14 @@ format of those weights sets its speed.
   summed in another order, so logits differ by rounding only. Greedy steps
   read the LM head through an int8 copy first and pick the same token (xattn/fast/greedy_head.py).
 - "bf16": bfloat16 copies (half the bytes); activations are cast to bf16 for the product, results to fp32.
-- "int8": an int8 copy with one scale per output channel, activations quantized per call: at up to
-  LIMITS.int8_kernel_rows rows by xattn's byte-product kernel (8-bit, symmetric per row), above that by fbgemm's
-  dynamic linear (7-bit per tensor), whose own copy is made the first time it is needed.
+- "int8": an int8 copy with one scale per output channel, activations quantized per call by xattn's byte-product
+  kernel (8-bit, symmetric per row). Where the CPU has AVX-512 VNNI that kernel takes every row count (see
+  int8_kernel_everywhere); on AVX2 alone, above LIMITS.int8_kernel_rows rows fbgemm's dynamic linear (7-bit per tensor)
+  is faster, and its own copy is made the first time it is needed.
 
 Decode steps of "packed" and "int8" at up to LIMITS.fused_rows rows run every block in one kernel call
-(xattn/fast/fused.py), with xattn's products there (int8 from LIMITS.fused_fbgemm_rows rows: fbgemm's, called from
-the kernel). torch's private operators (oneDNN's, fbgemm's) are reached through xattn/fast/torch_ops.py.
+(xattn/fast/fused.py), with xattn's products there (int8 on AVX2 alone from LIMITS.fused_fbgemm_rows rows: fbgemm's,
+called from the kernel). torch's private operators (oneDNN's, fbgemm's) are reached through xattn/fast/torch_ops.py.
 
 Copies are made once, when the decoder is built: later changes to the transformers weights are not seen by them
 (build the decoder again after fine-tuning).
@@ -80,6 +81,13 @@ def _(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], registry.lookup(handle).out_features)
 
 
+def int8_kernel_everywhere() -> bool:
+    """xattn's int8 kernel at every row count, no fbgemm copy: with AVX-512 VNNI it is faster than fbgemm's up to
+    the fused step's rows and within ~15% above (AVX2's sign-and-multiply kernel is 1.0-2.3x slower there, so AVX2
+    alone keeps fbgemm for 5+ rows); read per call, because tests switch the kernel (kernels.int8_kernel)."""
+    return kernels.int8_kernel_is_vnni()
+
+
 def _small(x: torch.Tensor, kernel_weight: torch.Tensor | None, rows: int) -> bool:
     return kernel_weight is not None and x.numel() <= rows * x.shape[-1]
 
@@ -128,10 +136,11 @@ class BF16Linear(_Copy):
 
 
 class Int8Linear(_Copy):
-    """int8 weight [out, in], symmetric with one scale per output channel: xattn's kernel at few rows, fbgemm's
-    dynamic linear above (7-bit activation range, as torch's dynamic quantization does on x86). fbgemm reads its own
-    copy in its own layout, made when a product first needs it: a decoder that never runs more rows than the kernel
-    takes (batch 1, in-flight serving) holds one int8 copy."""
+    """int8 weight [out, in], symmetric with one scale per output channel: xattn's kernel at few rows (at every row
+    count with AVX-512 VNNI), fbgemm's dynamic linear above (7-bit activation range, as torch's dynamic quantization
+    does on x86). fbgemm reads its own copy in its own layout, made when a product first needs it: a decoder that
+    never runs more rows than the kernel takes (any decoder with VNNI; batch 1 and in-flight serving without it)
+    holds one int8 copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight)
@@ -154,7 +163,10 @@ class Int8Linear(_Copy):
         return self._packed
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        return self.rowwise(x) if _small(x, self.kernel_weight, LIMITS.int8_kernel_rows) else None
+        if _small(x, self.kernel_weight, LIMITS.int8_kernel_rows) or (
+                self.kernel_weight is not None and int8_kernel_everywhere()):
+            return self.rowwise(x)
+        return None
 
     def rowwise(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weight is None:
@@ -174,6 +186,8 @@ def independent_rows(kind: str) -> int | None:
     rows with one scale (without the kernels, from one row); packed above LIMITS.packed_kernel_rows to oneDNN, whose
     sums run in another order."""
     if kind == "int8":
+        if int8_kernel_everywhere():  # as "packed": the fused step and the blocks above it sum in other orders
+            return LIMITS.fused_rows
         return min(LIMITS.int8_kernel_rows, LIMITS.fused_fbgemm_rows - 1) if kernels.available() else 1
     if kind == "packed" and kernels.available():
         return min(LIMITS.packed_kernel_rows, LIMITS.fused_rows)

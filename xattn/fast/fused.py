@@ -12,7 +12,7 @@ import copy
 import torch
 
 from ..cache import CrossAttentionCache
-from . import kernels, registry, torch_ops
+from . import formats, kernels, registry, torch_ops
 from .formats import Int8Linear, PackedLinear
 from .limits import LIMITS
 
@@ -90,7 +90,8 @@ class FusedLayers:
 
     def run(self, hidden, keys, values, cross_keys, cross_values, cross_mask, enc_index, position) -> torch.Tensor:
         weights, scales, biases, int8 = self._lists[cross_keys is not None]
-        fbgemm = int8 and not self.independent and hidden.shape[0] >= LIMITS.fused_fbgemm_rows
+        fbgemm = (int8 and not self.independent and hidden.shape[0] >= LIMITS.fused_fbgemm_rows
+                  and not formats.int8_kernel_everywhere())
         packed = [c.packed for c in int8] if fbgemm else []  # fbgemm's copies, made on the first such step
         return kernels.decoder_layers(
             hidden, self.norm_weight, self.norm_bias, weights, scales, biases, packed, keys, values, cross_keys,

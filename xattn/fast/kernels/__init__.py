@@ -88,6 +88,20 @@ def matvec_int8(x: torch.Tensor, blocks: torch.Tensor, n: int, scale: torch.Tens
     return torch.ops.xattn_kernels.matvec_int8(x, blocks, n, scale, bias)
 
 
+def int8_kernel(use: str | None = None) -> str:
+    """The int8 products' kernel, "vnni" (AVX-512 VNNI, where the CPU has it) or "avx2", switched to `use` first
+    where given: the same int32 sums, so the same results (XATTN_INT8_KERNEL=avx2 picks AVX2 at start)."""
+    if not available():
+        raise RuntimeError("xattn's kernels are not available here (see kernels.available)")
+    _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(use)
+    return _state["int8_kernel"]
+
+
+def int8_kernel_is_vnni() -> bool:
+    """int8_kernel() == "vnni", read from Python (no op call, so that torch.compile traces it)."""
+    return available() and _state["int8_kernel"] == "vnni"
+
+
 def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, packed, keys, values, cross_keys,
                    cross_values, cross_mask, enc_index, position, scalings, eps) -> torch.Tensor:
     """hidden [B, D] through every GPT-2 block at `position`, writing its K/V into keys/values in place."""
@@ -133,6 +147,7 @@ def _load() -> bool:
                       stacklevel=3)
         return False
     _register_fake()
+    _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(None)
     return True
 
 

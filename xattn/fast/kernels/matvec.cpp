@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
 #include "checks.h"
@@ -67,12 +68,24 @@ at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t N,
   return run(x, blocks, N, K, scale.data_ptr<float>(), bias);
 }
 
+// The int8 kernel products use ("vnni" or "avx2"), switched to `use` first where given ("vnni" only where the CPU
+// has AVX-512 VNNI): both give the same results, and tests compare them.
+std::string int8_kernel(const c10::optional<std::string>& use) {
+  if (use.has_value()) {
+    TORCH_CHECK(*use == "avx2" || *use == "vnni", "use: expected 'avx2' or 'vnni', got '", *use, "'");
+    TORCH_CHECK(*use == "avx2" || xattn::vnni_supported(), "use: this CPU has no AVX-512 VNNI");
+    xattn::int8_kernel().store(*use == "vnni" ? 1 : 0);
+  }
+  return xattn::int8_kernel().load() == 1 ? "vnni" : "avx2";
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
   m.def("matvec(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.def("matvec_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("matvec_int8(Tensor x, Tensor blocks, int n, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int8_kernel(str? use) -> str", &int8_kernel);
 }
 
 TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) {

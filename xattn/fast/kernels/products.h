@@ -12,8 +12,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace xattn {
@@ -42,6 +45,12 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+inline bool vnni_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
 inline int32_t hsum_epi32(__m256i v) {
@@ -272,14 +281,134 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t K32, int
   }
 }
 
+// The same int32 sums with AVX-512 VNNI, where the CPU has it: vpdpbusd multiplies unsigned bytes by signed ones and
+// adds each 4 products into an int32 lane without saturating, so x goes in as unsigned bytes offset by 128 (xq ^ 0x80)
+// and 128 x the weight row's sum comes off again; a 64-byte load of a block step holds 2 of its rows, x's 32 bytes
+// are broadcast to both halves. One instruction per 64 products where AVX2 needs four, which keeps beams and
+// batches of rows at the weight stream's speed (see int8_kernel below for the choice between the two).
+#define XATTN_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// acc + the 4-byte dot products of unsigned u with signed s, per int32 lane. In asm: GCC 12 keeps the intrinsic's
+// accumulator in the lower 16 registers and copies every accumulator to and fro on each step.
+XATTN_VNNI inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+
+// The 8 row totals of a block's 4 accumulators (rows 2j and 2j + 1 in the halves of acc[j]), in row order: a
+// transposing reduction, 4 lanes of 4 rows at a time (integer sums: exact in any order).
+XATTN_VNNI inline __m256i row_totals(const __m512i* acc) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]), _mm512_unpackhi_epi32(acc[0], acc[1]));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]), _mm512_unpackhi_epi32(acc[2], acc[3]));
+  // each 128-bit lane: (row 0, 2, 4, 6) in lanes 0 and 1 of 4, (row 1, 3, 5, 7) in lanes 2 and 3, partial sums
+  const __m512i all = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m512i pairs = _mm512_add_epi32(all, _mm512_shuffle_i32x4(all, all, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m128i even = _mm512_castsi512_si128(pairs), odd = _mm512_extracti32x4_epi32(pairs, 2);
+  return _mm256_set_m128i(_mm_unpackhi_epi32(even, odd), _mm_unpacklo_epi32(even, odd));
+}
+
+// Sums: this tile also makes the block's row sums (the first tile of a block; later tiles reuse them).
+template <int M, bool Sums>
+XATTN_VNNI void block_int8_vnni(const uint8_t* xu, int64_t K32, const int8_t* block, const int8_t* next, int64_t n0,
+                                int64_t rows, int32_t* row_sums, const float* x_scale, const float* scale,
+                                const float* bias, float* y, int64_t N, Store how) {
+  constexpr int J = kRows / 2;
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[M][J], sums[J];  // acc[m][j]: rows 2j (low half) and 2j + 1 (high half) of the block against x row m
+  for (int j = 0; j < J; ++j) {
+    sums[j] = _mm512_setzero_si512();
+    for (int m = 0; m < M; ++m) acc[m][j] = _mm512_setzero_si512();
+  }
+  for (int64_t k = 0; k < K32; k += kBytes) {
+    const int8_t* step = block + k * kRows;
+    if (next)
+      for (int64_t line = 0; line < kRows * kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * kRows + line), _MM_HINT_T1);
+    __m512i wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = _mm512_loadu_si512(step + j * 64);
+    if constexpr (Sums)
+      for (int j = 0; j < J; ++j) sums[j] = dpbusd(sums[j], ones, wv[j]);
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xu + m * K32 + k)));
+      for (int j = 0; j < J; ++j) acc[m][j] = dpbusd(acc[m][j], xv, wv[j]);
+    }
+  }
+  if constexpr (Sums) _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_sums), row_totals(sums));
+  const __m256i offset = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_sums)), 7);
+  for (int m = 0; m < M; ++m) {
+    alignas(32) int32_t dots[kRows];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dots), _mm256_sub_epi32(row_totals(acc[m]), offset));
+    for (int r = 0; r < rows; ++r) {  // the same float steps as block_int8's
+      const int64_t n = n0 + r;
+      const float scaled = float(dots[r]) * x_scale[m];
+      store(y + m * N + n, bias ? std::fma(scaled, scale[n], bias[n]) : scaled * scale[n], how);
+    }
+  }
+}
+
+constexpr int kVnniRows = 4;  // activation rows per tile: 4 x 4 accumulators, 4 weight and 4 row-sum registers of 32
+
+XATTN_VNNI inline void product_int8_vnni(const int8_t* xq, int64_t M, const Weight& w, int64_t K32, const float* xs,
+                                         float* y, Store how) {
+  const int64_t N = w.N, blocks = (N + kRows - 1) / kRows;
+  std::vector<uint8_t> xu(M * K32);
+  for (int64_t i = 0; i < M * K32; ++i) xu[i] = static_cast<uint8_t>(xq[i]) ^ 0x80;
+  const uint8_t* u = xu.data();
+  const int8_t* weight = static_cast<const int8_t*>(w.data);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kRows, rows = std::min(kRows, N - n0);
+      const int8_t* block = weight + blk * kRows * K32;
+      int32_t sums[kRows];
+      for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
+        const int8_t* next = m0 == 0 && blk + 1 < end ? block + kRows * K32 : nullptr;
+        const uint8_t* um = u + m0 * K32;
+        float* ym = y + m0 * N;
+        const int64_t tile = std::min<int64_t>(kVnniRows, M - m0);
+#define XATTN_TILE(R, S) block_int8_vnni<R, S>(um, K32, block, next, n0, rows, sums, xs + m0, w.scale, w.bias, ym, N, how)
+        if (m0 == 0) {
+          switch (tile) {
+            case 1: XATTN_TILE(1, true); break;
+            case 2: XATTN_TILE(2, true); break;
+            case 3: XATTN_TILE(3, true); break;
+            default: XATTN_TILE(4, true);
+          }
+        } else {
+          switch (tile) {
+            case 1: XATTN_TILE(1, false); break;
+            case 2: XATTN_TILE(2, false); break;
+            case 3: XATTN_TILE(3, false); break;
+            default: XATTN_TILE(4, false);
+          }
+        }
+#undef XATTN_TILE
+      }
+    }
+  });
+}
+
+// Which int8 kernel products use: 1 AVX-512 VNNI, 0 AVX2; the same int32 sums either way, so the same results. VNNI
+// where the CPU has it, unless XATTN_INT8_KERNEL=avx2; tests switch between the two (xattn_kernels::int8_kernel).
+inline std::atomic<int>& int8_kernel() {
+  static std::atomic<int> kernel{[] {
+    __builtin_cpu_init();
+    const char* chosen = std::getenv("XATTN_INT8_KERNEL");
+    const bool avx2 = chosen != nullptr && std::string(chosen) == "avx2";
+    return !avx2 && vnni_supported() ? 1 : 0;
+  }()};
+  return kernel;
+}
+
 inline void product_int8(const float* x, int64_t M, const Weight& w, float* y, Store how) {
   const int64_t K = w.K, N = w.N, K32 = padded_k(K), blocks = (N + kRows - 1) / kRows;
   std::vector<int8_t> xq(M * K32);
   std::vector<float> x_scale(M);
   quantize_rows(x, M, K, K32, xq.data(), x_scale.data());
   const int8_t* q = xq.data();
-  const int8_t* weight = static_cast<const int8_t*>(w.data);
   const float* xs = x_scale.data();
+  if (int8_kernel().load(std::memory_order_relaxed) == 1) return product_int8_vnni(q, M, w, K32, xs, y, how);
+  const int8_t* weight = static_cast<const int8_t*>(w.data);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kRows, rows = std::min(kRows, N - n0);
