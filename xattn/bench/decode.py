@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..fast import kernels
 from ..files import save_json
 
 ROWS = {  # name -> (batch, num_beams)
@@ -88,7 +89,23 @@ def _engines(model, compiled: bool) -> dict:
         engines[name] = xattn_generate(base.with_weights(weights))
         if compiled and name in COMPILED:
             engines[COMPILED[name]] = xattn_generate(base.with_weights(weights).compile())
+    if kernels.available() and kernels.int8_kernel() == "vnni":  # the AVX2 kernel (and fbgemm from 5 rows) beside
+        engines[INT8_AVX2] = _with_int8_kernel("avx2", xattn_generate(base.with_weights("int8")))
     return engines
+
+
+INT8_AVX2 = "xattn int8 avx2"  # on a CPU with AVX-512 VNNI: the int8 format as a CPU with AVX2 alone runs it
+
+
+def _with_int8_kernel(name: str, generate):
+    def generate_with(states, beams, n):
+        default = kernels.int8_kernel()
+        kernels.int8_kernel(name)
+        try:
+            return generate(states, beams, n)
+        finally:
+            kernels.int8_kernel(default)
+    return generate_with
 
 
 def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, compiled: bool = False,
@@ -181,7 +198,7 @@ def _compare_tokens(measured: dict) -> None:
             continue
         if name in FP32_ENGINES and reference is not None:
             m.tokens_equal_to_transformers = bool(torch.equal(out, reference))
-        elif name in ("xattn bf16", "xattn int8", "xattn int8 compiled") and fp32 is not None:
+        elif name in ("xattn bf16", "xattn int8", "xattn int8 compiled", INT8_AVX2) and fp32 is not None:
             m.agreement_with_fp32 = _agreement(out, fp32)
 
 
@@ -352,5 +369,6 @@ def machine() -> str:
             model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    isa = "; int8 kernel: " + kernels.int8_kernel() if kernels.available() else "; xattn's kernels unavailable"
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{isa}"
 

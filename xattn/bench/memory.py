@@ -92,17 +92,24 @@ def measure(weights: str, threads: int = 2, max_new_tokens: int = 8) -> Footprin
 
 
 def run(formats=FORMATS, threads: int = 2, progress=print) -> list[Footprint]:
-    """Each format in its own fresh process (python -m xattn.bench.memory FORMAT)."""
+    """Each format in its own fresh process (python -m xattn.bench.memory FORMAT); on a CPU with AVX-512 VNNI, int8
+    also as a CPU with AVX2 alone runs it ("int8 avx2": fbgemm's products, and its copy, from 5 rows)."""
+    from ..fast import kernels
+
+    runs = [(weights, weights, {}) for weights in formats]
+    if "int8" in formats and kernels.available() and kernels.int8_kernel() == "vnni":
+        runs.append(("int8 avx2", "int8", {"XATTN_INT8_KERNEL": "avx2"}))
     results = []
-    for weights in formats:
+    for label, weights, env in runs:
         process = subprocess.run([sys.executable, "-m", "xattn.bench.memory", weights, "--threads", str(threads)],
-                                 capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                                 capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONWARNINGS": "ignore", **env})
         lines = process.stdout.strip().splitlines()
         if process.returncode or not lines:
             reason = (process.stderr.strip().splitlines() or [f"exit {process.returncode}"])[-1]
-            results.append(Footprint(weights, float("nan"), float("nan"), float("nan"), error=reason[:300]))
+            results.append(Footprint(label, float("nan"), float("nan"), float("nan"), error=reason[:300]))
         else:
-            results.append(Footprint(**json.loads(lines[-1])))
+            results.append(Footprint(**{**json.loads(lines[-1]), "weights": label}))
         progress(_line(results[-1]))
     return results
 
@@ -111,7 +118,7 @@ def _line(f: Footprint) -> str:
     if f.error:
         return f"{f.weights:8s} error: {f.error}"
     peaks = "  ".join(f"{row} +{mb:.0f}" for row, mb in f.peak_extra_mb.items())
-    return (f"{f.weights:8s} model {f.model_mb:6.0f} MB  +format {f.extra_mb:5.0f} MB = {f.copies:4.2f} copies of "
+    return (f"{f.weights:9s} model {f.model_mb:6.0f} MB  +format {f.extra_mb:5.0f} MB = {f.copies:4.2f} copies of "
             f"{f.one_copy_mb:.0f} MB  peak generating: {peaks} MB")
 
 
