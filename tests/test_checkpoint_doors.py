@@ -84,10 +84,11 @@ def test_a_checkpoint_saved_in_half_precision_runs_in_float32(tmp_path, dtype):
     assert captioner.caption_results([captioner.load(IMAGE)])[0]["caption"]  # was "convert it" to float16
 
 
-def test_a_start_token_outside_the_vocabulary_is_refused(tmp_path):
+@pytest.mark.parametrize("name", ["decoder_start_token_id", "pad_token_id"])
+def test_a_start_or_pad_token_outside_the_vocabulary_is_refused(tmp_path, name):
     folder = _copy(tmp_path)
-    _edit_json(folder / "config.json", lambda c: c.update(decoder_start_token_id=10**6))
-    with pytest.raises(ValueError, match=r"decoder_start_token_id=1000000 is outside the model's vocabulary"):
+    _edit_json(folder / "config.json", lambda c: c.update({name: 10**6}))
+    with pytest.raises(ValueError, match=rf"{name}=1000000 is outside the model's vocabulary"):
         Captioner(str(folder))
 
 

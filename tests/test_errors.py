@@ -31,11 +31,18 @@ def pixels():
         (dict(early_stopping="sometimes", num_beams=2), "early_stopping must be"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
         (dict(frobnicate=True), "unsupported generate() arguments"),
+        (dict(pad_token_id=10**6, eos_token_id=5), "pad_token_id=1000000 is outside the vocabulary (0..98)"),
+        (dict(pad_token_id=-1), "pad_token_id=-1 is outside the vocabulary"),
+        (dict(decoder_start_token_id=-3), "the decoder prompt holds token id -3, outside the vocabulary (0..98)"),
+        (dict(decoder_input_ids=torch.tensor([[1, 500], [1, 2]])), "holds token id 500, outside the vocabulary"),
     ],
 )
 def test_bad_generation_options(engine, pixels, kwargs, message):
     with pytest.raises(ValueError, match=_re(message)):
         engine.generate(pixel_values=pixels, **kwargs)
+    if "decoder_input_ids" not in kwargs and "max_new_tokens" not in kwargs:  # an in-flight request is checked alike
+        with pytest.raises(ValueError, match=_re(message)):
+            engine.request(pixel_values=pixels[:1], **kwargs)
 
 
 def _re(text):

@@ -328,7 +328,9 @@ def _truncate(path):
 @pytest.mark.parametrize("damage,named", [
     ("latest names a missing folder", "latest"), ("latest names no checkpoint", "latest"),
     ("truncated weights", "checkpoint-5/weights.safetensors"), ("truncated state", "checkpoint-5/trainer_state.pt"),
-    ("empty state", "checkpoint-5/trainer_state.pt"),
+    ("empty state", "checkpoint-5/trainer_state.pt"), ("a list for a state", "checkpoint-5/trainer_state.pt"),
+    ("a text step", "checkpoint-5/trainer_state.pt"), ("no loss history", "checkpoint-5/trainer_state.pt"),
+    ("random states of another shape", "checkpoint-5/trainer_state.pt"),
 ])
 def test_a_broken_checkpoint_is_named_on_resume(damage, named, data, reference, tmp_path, capsys):
     out = tmp_path / "out"
@@ -341,8 +343,20 @@ def test_a_broken_checkpoint_is_named_on_resume(damage, named, data, reference, 
         _truncate(out / "checkpoint-5" / "weights.safetensors")
     elif damage == "truncated state":
         _truncate(out / "checkpoint-5" / "trainer_state.pt")
-    else:
+    elif damage == "empty state":
         (out / "checkpoint-5" / "trainer_state.pt").write_bytes(b"")
+    else:  # a readable file (weights_only) whose contents are not what the loop reads
+        state_file = out / "checkpoint-5" / "trainer_state.pt"
+        state = torch.load(state_file, weights_only=True)
+        if damage == "a list for a state":
+            state = [state["step"]]
+        elif damage == "a text step":
+            state["step"] = "five"
+        elif damage == "no loss history":
+            del state["history"]["loss"]
+        else:
+            state["rng"]["numpy"] = {"keys": "no"}
+        torch.save(state, state_file)
     final = (out / "final" / "model.safetensors").read_bytes()
     assert main(train_argv(data, "captioner", out, "--resume")) == 2
     message = one_line_error(capsys)

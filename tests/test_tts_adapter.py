@@ -105,6 +105,15 @@ def test_bad_prefix_and_options_are_refused():
     adapter = PrefixConditionedGPT2(gpt, mel_embedding, mel_pos_embedding, mel_head, final_norm=final_norm)
     with pytest.raises(ValueError, match="prefix_embeds must be"):
         adapter.generate(torch.randn(2, 5, D + 1), start_token=START)
+    for empty in (torch.randn(2, 0, D), torch.randn(0, 5, D)):
+        with pytest.raises(ValueError, match=r"^prefix_embeds is empty"):
+            adapter.generate(empty, start_token=START)
+    with pytest.raises(ValueError, match=r"^prefix_embeds is float64, the model is float32: pass "):
+        adapter.generate(torch.randn(2, 5, D, dtype=torch.float64), start_token=START)
+    with pytest.raises(ValueError, match=r"^prefix_embeds is float64"):
+        next(adapter.stream(torch.randn(2, 5, D, dtype=torch.float64), start_token=START))
+    with pytest.raises(ValueError, match=r"^prefix_embeds must be a tensor, got list$"):
+        adapter.generate([[0.0] * D], start_token=START)
     with pytest.raises(ValueError, match="num_beams"):
         next(adapter.stream(torch.randn(2, 5, D), start_token=START, num_beams=2))
     with pytest.raises(ValueError, match="top_p"):

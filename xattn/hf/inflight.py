@@ -32,6 +32,7 @@ def request(model: XattnModel, inputs: torch.Tensor | None = None, **kwargs) -> 
         raise ValueError("an in-flight request is one input: pass a batch of one (a request per input)")
     prompt = model._prompt(prompt, 1, kwargs)
     opts = GenerationOptions.from_kwargs(model.generation_config, prompt.shape[1], **kwargs)
+    model._check_ids(prompt, opts)
     model._check_room(prompt.shape[1], opts)
     if encoder.inputs:
         (name, values), = encoder.inputs.items()

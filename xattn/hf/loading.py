@@ -126,13 +126,14 @@ def load_model(model_class, path: str, **kwargs):
 
 
 def _refuse_tokens_outside_the_vocabulary(model, path: str) -> None:
-    """The ids generation starts and stops with must be rows of the output embeddings (else an IndexError mid-way)."""
+    """The ids generation starts and stops with, and pads finished rows with (fed back as their next input), must be
+    rows of the output embeddings (else an IndexError mid-way)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         return
     vocab = head.weight.shape[0]
     for where in (model.config, getattr(model, "generation_config", None)):
-        for name in ("decoder_start_token_id", "bos_token_id", "eos_token_id"):
+        for name in ("decoder_start_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(where, name, None)
             for token in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(token, int) and not 0 <= token < vocab:

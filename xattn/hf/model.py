@@ -175,6 +175,7 @@ class XattnModel:
             raise ValueError(f"batch sizes differ: {batch} encoder rows but {prompt.shape[0]} decoder prompts; "
                              "pass one prompt row per input")
         opts = GenerationOptions.from_kwargs(self.generation_config, prompt.shape[1], **kwargs)
+        self._check_ids(prompt, opts)
         prompt_length = prompt.shape[1]
         max_length = prompt_length + opts.max_new_tokens
         positions = max_length - 1  # the last token is never fed back: it needs no position
@@ -315,6 +316,19 @@ class XattnModel:
         if start is None:
             raise ValueError(f"no prompt given and the model has no {names[0]}: pass decoder_input_ids")
         return torch.full((batch, 1), int(start), dtype=torch.long, device=self.decoder.device)
+
+    def _check_ids(self, prompt: torch.Tensor, opts) -> None:
+        """The prompt (start token included) and the padding of stopped rows are fed to the token embedding: ids
+        past it would stop generation with an IndexError on the way."""
+        vocab = self.decoder.transformer.wte.num_embeddings if self.decoder.embed_fn is None else None
+        if vocab is None:
+            return
+        if prompt.numel() and not bool(((prompt >= 0) & (prompt < vocab)).all()):
+            bad = prompt[(prompt < 0) | (prompt >= vocab)][0].item()
+            raise ValueError(f"the decoder prompt holds token id {bad}, outside the vocabulary (0..{vocab - 1}): "
+                             "check decoder_input_ids and decoder_start_token_id")
+        if opts.pad_token_id is not None and not 0 <= opts.pad_token_id < vocab:
+            raise ValueError(f"pad_token_id={opts.pad_token_id} is outside the vocabulary (0..{vocab - 1})")
 
     def _main_input_name(self) -> str:
         return getattr(self.encoder, "main_input_name", "pixel_values")

@@ -80,9 +80,18 @@ class PrefixConditionedGPT2:
 
     def _options(self, prefix_embeds: torch.Tensor, max_new_tokens: int, stop_token: int | None,
                  generate_kwargs: dict) -> GenerationOptions:
+        if not isinstance(prefix_embeds, torch.Tensor):
+            raise ValueError(f"prefix_embeds must be a tensor, got {type(prefix_embeds).__name__}")
         if prefix_embeds.ndim != 3 or prefix_embeds.shape[-1] != self.gpt2.config.n_embd:
             raise ValueError(f"prefix_embeds must be [batch, prefix, {self.gpt2.config.n_embd}], got "
                              f"{tuple(prefix_embeds.shape)}")
+        if prefix_embeds.shape[0] == 0 or prefix_embeds.shape[1] == 0:
+            raise ValueError(f"prefix_embeds is empty ({tuple(prefix_embeds.shape)}): the conditioning needs at "
+                             "least one input and one prefix position")
+        dtype = next(self.gpt2.parameters()).dtype
+        if prefix_embeds.dtype != dtype:
+            raise ValueError(f"prefix_embeds is {str(prefix_embeds.dtype).removeprefix('torch.')}, the model is "
+                             f"{str(dtype).removeprefix('torch.')}: pass prefix_embeds.to({dtype})")
         # the prompt as the pipeline's generate() counts it (min_length): [start], or [prompt_token] * P + [start]
         prompt_length = 1 if self.prompt_token is None else prefix_embeds.shape[1] + 1
         return GenerationOptions.from_kwargs(None, prompt_length, max_new_tokens=max_new_tokens,

@@ -112,6 +112,7 @@ def load_checkpoint(model, optimizer, output_dir: str, config=None,
     try:
         state = torch.load(state_file, weights_only=True)
         step, history, optimizer_state, rng = state["step"], state["history"], state["optimizer"], state.get("rng")
+        _check_state(step, history, optimizer_state)
     except Exception as error:  # torch.load raises RuntimeError, EOFError, UnpicklingError... on a bad file
         raise ValueError(f"{state_file}: not a readable training state ({error_line(error)}); "
                          f"{_fix_words(output_dir, name)}") from None
@@ -129,11 +130,25 @@ def load_checkpoint(model, optimizer, output_dir: str, config=None,
     except (ValueError, KeyError, TypeError, RuntimeError) as error:
         raise ValueError(f"{state_file}: its optimizer state does not fit this model ({error_line(error)}); resume "
                          "with the --model that wrote it, or choose another --out") from None
-    if rng is None:  # written before numpy's and python's RNG were saved
-        torch.set_rng_state(state["torch_rng"])
-    else:
-        _set_rng_state(rng)
+    try:
+        if rng is None:  # written before numpy's and python's RNG were saved
+            torch.set_rng_state(state["torch_rng"])
+        else:
+            _set_rng_state(rng)
+    except Exception as error:  # a state of another shape: KeyError, TypeError, ValueError, RuntimeError
+        raise ValueError(f"{state_file}: its random states are not readable ({error_line(error)}); "
+                         f"{_fix_words(output_dir, name)}") from None
     return step, history
+
+
+def _check_state(step, history, optimizer_state) -> None:
+    """The training state's plain parts have the types the loop reads (a hostile or foreign file may hold others)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"its step is {_shown(step)}, not a count of steps")
+    if not isinstance(history, dict) or not all(isinstance(history.get(key), list) for key in ("step", "loss", "eval")):
+        raise ValueError("its history is not lists of step, loss and eval")
+    if not isinstance(optimizer_state, dict):
+        raise ValueError(f"its optimizer state is a {type(optimizer_state).__name__}, not a dict")
 
 
 def _check_same_run(path: str, config, run_options: dict) -> None:
