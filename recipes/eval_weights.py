@@ -21,6 +21,7 @@ def main():
     parser.add_argument("--model", default=None, help="checkpoint (default: the shipped scene captioner)")
     parser.add_argument("--scenes", type=int, default=1000, help="held-out scenes 0..N-1 of seed 3")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[100, 16, 1])
+    parser.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS, help="weight formats to compare")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -28,7 +29,7 @@ def main():
     captioner, images, truths = Captioner(args.model), [draw(s) for s in scenes], [s.caption for s in scenes]
     report = {"scenes": args.scenes}
     for batch_size in args.batch_sizes:
-        report[f"batch {batch_size}"] = weight_format_agreement(captioner, images, truths, FORMATS, batch_size)
+        report[f"batch {batch_size}"] = weight_format_agreement(captioner, images, truths, args.formats, batch_size)
     print(json.dumps(report, indent=1))
     if args.json:
         save_json(report, args.json)

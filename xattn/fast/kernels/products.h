@@ -407,7 +407,8 @@ inline void product_int8(const float* x, int64_t M, const Weight& w, float* y, S
   quantize_rows(x, M, K, K32, xq.data(), x_scale.data());
   const int8_t* q = xq.data();
   const float* xs = x_scale.data();
-  if (int8_kernel().load(std::memory_order_relaxed) == 1) return product_int8_vnni(q, M, w, K32, xs, y, how);
+  // one row streams the weight either way, and AVX2's kernel does it without the row sums' extra products
+  if (M > 1 && int8_kernel().load(std::memory_order_relaxed) == 1) return product_int8_vnni(q, M, w, K32, xs, y, how);
   const int8_t* weight = static_cast<const int8_t*>(w.data);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
