@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import xattn
+from xattn.fast.limits import LIMITS
 from conftest import tiny_captioner
 from xattn.fast import accelerate
 from xattn.fast.formats import KINDS, ConvertedLinear, convert_linears
@@ -124,6 +125,24 @@ def test_int8_makes_fbgemms_copy_only_when_a_product_needs_it(int8_kernel):
     weight, bias, x = (torch.randn(40, 64, generator=generator), torch.randn(40, generator=generator),
                        torch.randn(9, 64, generator=generator))
     assert torch.equal(Int8Linear(weight, bias).forward(x), linear_int8(x, prepack_int8(weight, bias)[1]))
+
+
+def test_bulk_int8_projections_keep_fbgemm_for_many_rows(int8_kernel):
+    """An encoder's layers and the cross K/V projection run on many rows at once, where fbgemm's products beat the
+    VNNI kernel's: they take xattn's kernel up to the fused step's rows only; decode projections take it always."""
+    from xattn.fast.formats import ConvertedLinear, Int8Linear
+
+    generator = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(40, 64, generator=generator), torch.randn(40, generator=generator)
+    step, bulk = Int8Linear(weight, bias), Int8Linear(weight, bias, bulk=True)
+    few, many = torch.randn(LIMITS.fused_rows, 64), torch.randn(LIMITS.fused_rows + 1, 64)
+    vnni = int8_kernel == "vnni"
+    assert (step.direct(many) is not None) == vnni and (bulk.direct(many) is None)
+    assert (bulk.direct(few) is not None) == vnni
+    assert ConvertedLinear(torch.nn.Linear(64, 40), "int8").projection.bulk
+    engine = xattn.from_hf(tiny_captioner(seed=50), weights="int8").with_weights("int8", encoder_weights="int8")
+    assert all(p.bulk for p in engine.decoder.steps.cross_kv)
+    assert not any(p.bulk for block in engine.decoder.projections for p in block.values())
 
 
 def test_copies_are_released_with_their_decoder():

@@ -60,7 +60,7 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
     copies = weights != "exact"
     steps = DecoderSteps(
         name=weights, cross_name=cross_weights, projections=projections,
-        cross_kv=[formats.conv1d(block.crossattention.c_attn, cross_weights) for block in transformer.h
+        cross_kv=[formats.conv1d(block.crossattention.c_attn, cross_weights, bulk=True) for block in transformer.h
                   if hasattr(block, "crossattention")],
         lm_head=lm_head,
         # a decode step's query is one row: SDPA's kernel costs more than three plain ops

@@ -82,9 +82,9 @@ def _(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 def int8_kernel_everywhere() -> bool:
-    """xattn's int8 kernel at every row count, no fbgemm copy: with AVX-512 VNNI it is faster than fbgemm's up to
-    the fused step's rows and within ~15% above (AVX2's sign-and-multiply kernel is 1.0-2.3x slower there, so AVX2
-    alone keeps fbgemm for 5+ rows); read per call, because tests switch the kernel (kernels.int8_kernel)."""
+    """xattn's int8 kernel at every row count of a decode step, no fbgemm copy: with AVX-512 VNNI it is faster than
+    fbgemm's up to ~8 rows and ~1.2x slower from 32 on (AVX2's sign-and-multiply kernel is 1.0-3x slower there, so
+    AVX2 alone keeps fbgemm for 5+ rows); read per call, because tests switch the kernel (kernels.int8_kernel)."""
     return kernels.int8_kernel_is_vnni()
 
 
@@ -142,8 +142,11 @@ class Int8Linear(_Copy):
     never runs more rows than the kernel takes (any decoder with VNNI; batch 1 and in-flight serving without it)
     holds one int8 copy."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bulk: bool = False):
         super().__init__(weight)
+        # bulk: run on many rows at once (an encoder's layers, the cross K/V projection over encoder positions),
+        # where fbgemm's products are faster than the VNNI kernel's by more than a second copy costs
+        self.bulk = bulk
         self.bias = None if bias is None else bias.detach().float().clone()
         quantized = torch_ops.quantize(weight.detach().float())
         self.scales = quantized.q_per_channel_scales().float()  # float32 values: exact either way
@@ -163,8 +166,10 @@ class Int8Linear(_Copy):
         return self._packed
 
     def direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        if _small(x, self.kernel_weight, LIMITS.int8_kernel_rows) or (
-                self.kernel_weight is not None and int8_kernel_everywhere()):
+        if _small(x, self.kernel_weight, LIMITS.int8_kernel_rows):
+            return self.rowwise(x)
+        if self.kernel_weight is not None and int8_kernel_everywhere() and (
+                not self.bulk or _small(x, self.kernel_weight, LIMITS.fused_rows)):
             return self.rowwise(x)
         return None
 
@@ -200,10 +205,13 @@ def check_kind(kind: str) -> str:
     return kind
 
 
-def conv1d(conv: nn.Module, kind: str):
-    """A projection over a transformers Conv1D (weight [in, out])."""
+def conv1d(conv: nn.Module, kind: str, bulk: bool = False):
+    """A projection over a transformers Conv1D (weight [in, out]); bulk: one that runs on many rows at once (see
+    Int8Linear)."""
     if kind == "exact":
         return ExactConv1D(conv)  # the core's own
+    if kind == "int8":
+        return Int8Linear(conv.weight.t(), conv.bias, bulk=bulk)
     return _COPIES[kind](conv.weight.t(), conv.bias)
 
 
@@ -220,7 +228,9 @@ class ConvertedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, kind: str):
         super().__init__()
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
-        self.projection = _COPIES[kind](linear.weight, linear.bias)
+        # an encoder's layers: many rows per call
+        self.projection = (Int8Linear(linear.weight, linear.bias, bulk=True) if kind == "int8"
+                           else _COPIES[kind](linear.weight, linear.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.projection(x)
