@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 import xattn
@@ -97,3 +98,19 @@ def test_chart_draws_decode_rows_and_end_to_end(tmp_path):
     chart.draw(rows, e2e, str(path), title="test")
     assert Image.open(path).size[0] > 1000
     assert e2e_table(e2e).splitlines()[2].split()[-3:] == ["2.00", "-", "-"]
+
+
+def test_end_to_end_stages_time_each_part_and_leave_the_steps_as_the_rest():
+    from xattn.bench.end_to_end import STAGES, EndToEnd, stages, stages_table
+
+    engine = xattn.from_hf(tiny_captioner(seed=12)).with_weights("int8")
+    pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(12))
+    measured = stages(engine, pixels, batches=3, total_s=5.0)
+    assert list(measured) == [s for s in STAGES if s != "steps"] + ["steps"]
+    assert all(math.isfinite(v) and v >= 0 for name, v in measured.items() if name != "prefill")
+    assert measured["decode images"] > 0 and measured["processor"] > 0  # the shipped samples were read
+    # three batches: each stage timed once and multiplied; the steps are what the total leaves
+    assert measured["steps"] == pytest.approx(5.0 - measured["encoder"] - measured["cross K/V"] - measured["prefill"])
+    table = stages_table([EndToEnd("transformers", 12, 4, 5.0, 2.4),
+                          EndToEnd("xattn int8", 12, 4, 5.0, 2.4, stages_s=measured)])
+    assert "xattn int8" in table and "transformers" not in table.splitlines()[1]

@@ -44,6 +44,7 @@ def _bench(args) -> int:
         e2e = end_to_end.run(threads=args.threads)
         print()
         print(end_to_end.table(e2e))
+        print(end_to_end.stages_table(e2e))
         extra["end_to_end"] = e2e
     if args.memory:
         print("\nmemory (RSS; each format in a fresh process)")

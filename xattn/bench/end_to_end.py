@@ -8,6 +8,7 @@ cannot give more than (encoder + transformers' decode) / encoder.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,13 @@ class EndToEnd:
     encoder_s: float | None = None  # time in the encoder (xattn engines)
     tokens_equal_to_transformers: bool | None = None
     agreement_with_fp32: float | None = None  # int8: share of tokens equal to xattn fp32's
+    stages_s: dict | None = None  # xattn engines: seconds per stage for all the images, each stage timed alone
+
+
+STAGES = ("decode images", "processor", "encoder", "cross K/V", "prefill", "steps")
+# the shipped sample images (the source tree's), decoded and processed for the first two stages; NaN where missing
+SAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data",
+                       "samples")
 
 
 def run(images: int = 64, batch: int = 16, new_tokens: int = 16, threads: int = 2, progress=print) -> list[EndToEnd]:
@@ -57,6 +65,8 @@ def run(images: int = 64, batch: int = 16, new_tokens: int = 16, threads: int = 
                                        for i in range(0, images, per_call)])
             seconds = time.perf_counter() - start
             r = EndToEnd(name, images, per_call, seconds, images / seconds, encoder_s)
+            if isinstance(engine, xattn.XattnModel):
+                r.stages_s = stages(engine, pixels[:batch], images // batch, seconds)
             reference = outputs[f"transformers, batches of {batch}"]
             if "int8" in name:
                 r.agreement_with_fp32 = float((outputs[name] == outputs["xattn fp32 (packed)"]).float().mean())
@@ -65,6 +75,52 @@ def run(images: int = 64, batch: int = 16, new_tokens: int = 16, threads: int = 
             progress(f"{name:36s} {r.images_per_s:6.2f} images/s ({seconds:.1f} s)")
             results.append(r)
     return results
+
+
+def stages(engine, pixels: torch.Tensor, batches: int, total_s: float) -> dict:
+    """Seconds per stage for `batches` batches like `pixels`, each stage timed alone on one batch (best of 2):
+    decoding the shipped sample images (Pillow) and the ViT processor at 224 px (the bench itself feeds pixel
+    tensors, so these two are not in its total), the encoder, the cross K/V projection, the prefill of the start
+    token, and the steps: the measured total less the encoder, cross K/V and prefill."""
+    import glob
+
+    from transformers import ViTImageProcessor
+
+    from ..tasks.vision import load_image, pixel_values
+    from .decode import best_of
+
+    batch = pixels.shape[0]
+    files = sorted(glob.glob(os.path.join(SAMPLES, "scene-*")))
+    files = [files[i % len(files)] for i in range(batch)] if files else []
+    processor = ViTImageProcessor(size={"height": 224, "width": 224})
+    loaded = [load_image(f) for f in files]
+    decoder = engine.decoder
+    out = {
+        "decode images": best_of(lambda: [load_image(f) for f in files], 2)[0] if files else float("nan"),
+        "processor": best_of(lambda: pixel_values(processor, loaded), 2)[0] if files else float("nan"),
+    }
+    out["encoder"], (states, mask) = best_of(lambda: engine.encode(pixel_values=pixels), 2)
+    out["cross K/V"], _ = best_of(lambda: decoder.cross_key_values(states), 2)
+    start = torch.full((batch, 1), engine.generation_config.decoder_start_token_id, dtype=torch.long)
+
+    def prefill():
+        cache = decoder.new_cache(batch, 32, states, mask)
+        return decoder.prefill(cache, input_ids=start)
+
+    out["prefill"] = best_of(prefill, 2)[0] - out["cross K/V"]  # new_cache projects the cross K/V
+    per_batch = {name: seconds * batches for name, seconds in out.items()}
+    per_batch["steps"] = total_s - per_batch["encoder"] - per_batch["cross K/V"] - per_batch["prefill"]
+    return per_batch
+
+
+def stages_table(results: list[EndToEnd]) -> str:
+    rows = [r for r in results if r.stages_s]
+    lines = [f"{'seconds per stage':36s} " + " ".join(f"{name:>13s}" for name in STAGES)]
+    for r in rows:
+        lines.append(f"{r.engine:36s} " + " ".join(f"{r.stages_s.get(name, float('nan')):13.2f}" for name in STAGES))
+    lines.append("(decode images and processor: the shipped samples at 224 px, not in the bench's total, which feeds "
+                 "pixel tensors)")
+    return "\n".join(lines)
 
 
 def table(results: list[EndToEnd]) -> str:
