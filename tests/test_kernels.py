@@ -104,6 +104,12 @@ def test_the_int8_kernel_is_chosen_by_name_and_refuses_others():
     env = dict(os.environ, XATTN_INT8_KERNEL="avx2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.stdout.strip() == "avx2", out.stderr[-2000:]
+    assert "XATTN_INT8_KERNEL" not in out.stderr
+    # a value it cannot take is said in one warning, and the default kept
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, XATTN_INT8_KERNEL="avx-512"),
+                         capture_output=True, text=True, timeout=600)
+    assert out.stdout.strip() == chosen, out.stderr[-2000:]
+    assert "XATTN_INT8_KERNEL='avx-512': expected avx2 or vnni; using " + chosen in out.stderr
 
 
 def test_leading_dimensions_are_kept_and_bad_input_is_refused():
