@@ -166,9 +166,7 @@ def int8_kernel(request):
 
     if not kernels.available():
         pytest.skip("needs xattn's kernels")
-    default = kernels.int8_kernel()
-    if request.param == "vnni" and default != "vnni":
+    if request.param == "vnni" and not kernels.int8_kernel_is_vnni():
         pytest.skip("this CPU has no AVX-512 VNNI (or XATTN_INT8_KERNEL=avx2)")
-    kernels.int8_kernel(request.param)
-    yield request.param
-    kernels.int8_kernel(default)
+    with kernels.using_int8_kernel(request.param):
+        yield request.param

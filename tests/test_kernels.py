@@ -60,7 +60,7 @@ def test_fp32_and_int8_products_equal_torch_within_rounding(rows, k, n):
 
 
 def _vnni_or_skip():
-    if kernels.int8_kernel() != "vnni":
+    if not kernels.int8_kernel_is_vnni():
         pytest.skip("this CPU has no AVX-512 VNNI (or XATTN_INT8_KERNEL=avx2)")
 
 
@@ -78,13 +78,10 @@ def test_the_vnni_and_avx2_int8_kernels_give_the_same_bits(rows, k, n):
     quantized[0] = 127  # the row sums' extremes
     quantized[-1] = -127
     blocks, scales, bias = kernels.int8_blocks(quantized), torch.rand(n, generator=generator), torch.randn(n)
-    try:
-        vnni = kernels.matvec_int8(x, blocks, n, scales, bias)
-        by_row = torch.cat([kernels.matvec_int8(x[i:i + 1], blocks, n, scales, bias) for i in range(rows)])
-        kernels.int8_kernel("avx2")
+    vnni = kernels.matvec_int8(x, blocks, n, scales, bias)
+    by_row = torch.cat([kernels.matvec_int8(x[i:i + 1], blocks, n, scales, bias) for i in range(rows)])
+    with kernels.using_int8_kernel("avx2"):
         avx2 = kernels.matvec_int8(x, blocks, n, scales, bias)
-    finally:
-        kernels.int8_kernel("vnni")
     assert torch.equal(vnni, avx2)
     assert torch.equal(by_row, vnni)
     x_scales = x.abs().amax(dim=1, keepdim=True) / 127

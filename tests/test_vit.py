@@ -52,14 +52,9 @@ def test_int8_layers_are_as_close_to_fp32_as_int8_linears_are():
     kernel is chosen (with VNNI, linears of up to 64 rows run xattn's 8 bits per row, closer to fp32)."""
     model = vit(seed=3)
     pixels = torch.randn(4, 3, 24, 24, generator=torch.Generator().manual_seed(4))
-    default = kernels.int8_kernel()
-    kernels.int8_kernel("avx2")
-    try:
-        with torch.no_grad():
-            want = model(pixel_values=pixels).last_hidden_state
-            linears = convert_linears(model, "int8")(pixel_values=pixels).last_hidden_state
-    finally:
-        kernels.int8_kernel(default)
+    with kernels.using_int8_kernel("avx2"), torch.no_grad():
+        want = model(pixel_values=pixels).last_hidden_state
+        linears = convert_linears(model, "int8")(pixel_values=pixels).last_hidden_state
     got = ViTEncoder(model, "int8")(pixels)[0]
     assert not torch.equal(got, want)
     assert relative_error(got, want) < 0.05

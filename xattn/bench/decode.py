@@ -89,7 +89,7 @@ def _engines(model, compiled: bool) -> dict:
         engines[name] = xattn_generate(base.with_weights(weights))
         if compiled and name in COMPILED:
             engines[COMPILED[name]] = xattn_generate(base.with_weights(weights).compile())
-    if kernels.available() and kernels.int8_kernel() == "vnni":  # the AVX2 kernel (and fbgemm from 5 rows) beside
+    if kernels.int8_kernel_is_vnni():  # the AVX2 kernel (and fbgemm from 5 rows) beside
         engines[INT8_AVX2] = _with_int8_kernel("avx2", xattn_generate(base.with_weights("int8")))
     return engines
 
@@ -99,12 +99,8 @@ INT8_AVX2 = "xattn int8 avx2"  # on a CPU with AVX-512 VNNI: the int8 format as 
 
 def _with_int8_kernel(name: str, generate):
     def generate_with(states, beams, n):
-        default = kernels.int8_kernel()
-        kernels.int8_kernel(name)
-        try:
+        with kernels.using_int8_kernel(name):
             return generate(states, beams, n)
-        finally:
-            kernels.int8_kernel(default)
     return generate_with
 
 

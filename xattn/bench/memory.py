@@ -97,7 +97,7 @@ def run(formats=FORMATS, threads: int = 2, progress=print) -> list[Footprint]:
     from ..fast import kernels
 
     runs = [(weights, weights, {}) for weights in formats]
-    if "int8" in formats and kernels.available() and kernels.int8_kernel() == "vnni":
+    if "int8" in formats and kernels.int8_kernel_is_vnni():
         runs.append(("int8 avx2", "int8", {"XATTN_INT8_KERNEL": "avx2"}))
     results = []
     for label, weights, env in runs:

@@ -19,6 +19,7 @@ failed; callers then use torch's kernels.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -29,6 +30,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -95,6 +97,17 @@ def int8_kernel(use: str | None = None) -> str:
         raise RuntimeError("xattn's kernels are not available here (see kernels.available)")
     _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(use)
     return _state["int8_kernel"]
+
+
+@contextlib.contextmanager
+def using_int8_kernel(use: str) -> Iterator[None]:
+    """int8 products through kernel `use` ("avx2" or "vnni") inside the block, the one before restored after."""
+    before = int8_kernel()
+    int8_kernel(use)
+    try:
+        yield
+    finally:
+        int8_kernel(before)
 
 
 def int8_kernel_is_vnni() -> bool:

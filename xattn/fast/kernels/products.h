@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace xattn {
@@ -360,29 +361,28 @@ XATTN_VNNI inline void product_int8_vnni(const int8_t* xq, int64_t M, const Weig
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kRows, rows = std::min(kRows, N - n0);
       const int8_t* block = weight + blk * kRows * K32;
-      int32_t sums[kRows];
+      int32_t sums_of_block[kRows];
       for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
         const int8_t* next = m0 == 0 && blk + 1 < end ? block + kRows * K32 : nullptr;
-        const uint8_t* um = u + m0 * K32;
-        float* ym = y + m0 * N;
-        const int64_t tile = std::min<int64_t>(kVnniRows, M - m0);
-#define XATTN_TILE(R, S) block_int8_vnni<R, S>(um, K32, block, next, n0, rows, sums, xs + m0, w.scale, w.bias, ym, N, how)
-        if (m0 == 0) {
-          switch (tile) {
-            case 1: XATTN_TILE(1, true); break;
-            case 2: XATTN_TILE(2, true); break;
-            case 3: XATTN_TILE(3, true); break;
-            default: XATTN_TILE(4, true);
-          }
-        } else {
-          switch (tile) {
-            case 1: XATTN_TILE(1, false); break;
-            case 2: XATTN_TILE(2, false); break;
-            case 3: XATTN_TILE(3, false); break;
-            default: XATTN_TILE(4, false);
-          }
-        }
+        // the first tile of a block also makes its row sums, later tiles reuse them
+        auto run = [&](auto first) {
+          constexpr bool Sums = decltype(first)::value;
+          const uint8_t* um = u + m0 * K32;
+          float* ym = y + m0 * N;
+          switch (std::min<int64_t>(kVnniRows, M - m0)) {
+#define XATTN_TILE(R) \
+  block_int8_vnni<R, Sums>(um, K32, block, next, n0, rows, sums_of_block, xs + m0, w.scale, w.bias, ym, N, how)
+            case 1: XATTN_TILE(1); break;
+            case 2: XATTN_TILE(2); break;
+            case 3: XATTN_TILE(3); break;
+            default: XATTN_TILE(4);
 #undef XATTN_TILE
+          }
+        };
+        if (m0 == 0)
+          run(std::true_type{});
+        else
+          run(std::false_type{});
       }
     }
   });
@@ -392,7 +392,6 @@ XATTN_VNNI inline void product_int8_vnni(const int8_t* xq, int64_t M, const Weig
 // where the CPU has it, unless XATTN_INT8_KERNEL=avx2; tests switch between the two (xattn_kernels::int8_kernel).
 inline std::atomic<int>& int8_kernel() {
   static std::atomic<int> kernel{[] {
-    __builtin_cpu_init();
     const char* chosen = std::getenv("XATTN_INT8_KERNEL");
     const bool avx2 = chosen != nullptr && std::string(chosen) == "avx2";
     return !avx2 && vnni_supported() ? 1 : 0;
