@@ -160,11 +160,14 @@ def _load() -> bool:
                       stacklevel=3)
         return False
     _register_fake()
-    _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(None)
+    _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(None)  # VNNI where the CPU has it
     asked = os.environ.get("XATTN_INT8_KERNEL")
-    if asked and asked != _state["int8_kernel"]:  # a typo, or VNNI asked of a CPU without it
-        why = "this CPU has no AVX-512 VNNI" if asked == "vnni" else "expected avx2 or vnni"
-        warnings.warn(f"XATTN_INT8_KERNEL={asked!r}: {why}; using {_state['int8_kernel']}", stacklevel=3)
+    if asked:
+        try:
+            _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(asked)
+        except RuntimeError:  # a typo, or VNNI asked of a CPU without it
+            why = "this CPU has no AVX-512 VNNI" if asked == "vnni" else "expected avx2 or vnni"
+            warnings.warn(f"XATTN_INT8_KERNEL={asked!r}: {why}; using {_state['int8_kernel']}", stacklevel=3)
     return True
 
 

@@ -15,8 +15,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -389,13 +387,10 @@ XATTN_VNNI inline void product_int8_vnni(const int8_t* xq, int64_t M, const Weig
 }
 
 // Which int8 kernel products use: 1 AVX-512 VNNI, 0 AVX2; the same int32 sums either way, so the same results. VNNI
-// where the CPU has it, unless XATTN_INT8_KERNEL=avx2; tests switch between the two (xattn_kernels::int8_kernel).
+// where the CPU has it; XATTN_INT8_KERNEL (read in Python when the library loads) and tests switch it through
+// xattn_kernels::int8_kernel.
 inline std::atomic<int>& int8_kernel() {
-  static std::atomic<int> kernel{[] {
-    const char* chosen = std::getenv("XATTN_INT8_KERNEL");
-    const bool avx2 = chosen != nullptr && std::string(chosen) == "avx2";
-    return !avx2 && vnni_supported() ? 1 : 0;
-  }()};
+  static std::atomic<int> kernel{vnni_supported() ? 1 : 0};
   return kernel;
 }
 
