@@ -6,9 +6,13 @@ Rows of the cache are decoding rows (batch x beams or candidates). Cross-attenti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# (keys, values, row_index, valid) -> None: row i of keys/values takes row row_index[i]'s positions [0, valid)
+RowCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 
 
 @dataclass
@@ -121,13 +125,17 @@ class CrossAttentionCache:
         self._set_folded(cross_keys, cross_values, row_mask, dedupe=True)
 
     # ---- row selection (beams, dropping finished rows) ----------------------------------------------
-    def reorder(self, row_index: torch.Tensor) -> None:
+    def reorder(self, row_index: torch.Tensor, kernel: RowCopy | None = None) -> None:
         """Beam reorder: row i takes the self-attention K/V of row row_index[i], in place.
 
         row_index must keep every row within its encoder group (as beam search does), so the cross K/V
-        and their layout are untouched.
+        and their layout are untouched. kernel: a CPU op doing the same in one call (the decoder's steps may
+        have one: GPT2CrossAttentionDecoder.reorder); without it, torch's index ops.
         """
         valid = self.length
+        if kernel is not None and self.keys.device.type == "cpu":
+            kernel(self.keys, self.values, row_index, valid)
+            return
         # layer by layer, rows on dim 0: torch gathers whole row blocks there (over dim 1 of the 5-d tensor it
         # copies element by element, far slower)
         for layer in range(self.num_layers):

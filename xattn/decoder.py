@@ -174,6 +174,11 @@ class GPT2CrossAttentionDecoder(nn.Module):
         logits = self.logits(hidden)
         return logits if all_logits else logits[:, 0]
 
+    def reorder(self, cache: CrossAttentionCache, row_index: torch.Tensor) -> None:
+        """Beam reorder of the cache's self K/V (row i takes row row_index[i]'s), through the steps' kernel where
+        they have one."""
+        cache.reorder(row_index, self.steps.reorder_rows)
+
     @torch.no_grad()
     def decode_step(self, input_ids: torch.Tensor, cache: CrossAttentionCache) -> torch.Tensor:
         """One token per row at cache.position: input_ids [B] -> logits [B, V]; writes its K/V, advances the cache."""

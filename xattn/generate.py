@@ -334,16 +334,18 @@ class BeamSearchDecoder:
 
 def beam_search(
     step: DecodeStep, cache: CrossAttentionCache, prompt: torch.Tensor, logits: torch.Tensor, opts: GenerationOptions,
+    reorder: Callable[[CrossAttentionCache, torch.Tensor], None] = CrossAttentionCache.reorder,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Beam search with transformers' scoring, stopping and tie-breaking.
 
     prompt: [B * beams, P] (each input's beams consecutive); logits: [B * beams, V] from the prefill.
-    The cache's cross K/V stay one copy per input; only self-attention K/V are reordered.
+    The cache's cross K/V stay one copy per input; only self-attention K/V are reordered, by
+    reorder(cache, source_rows) (a decoder's own: GPT2CrossAttentionDecoder.reorder).
     Returns (sequences [B * num_return_sequences, P + L], scores [B * num_return_sequences]).
     """
     beams = BeamSearchDecoder(opts, prompt)
     while (chosen := beams.update(logits)) is not None:
         source_rows, tokens = chosen
-        cache.reorder(source_rows)
+        reorder(cache, source_rows)
         logits = step(tokens, cache)
     return beams.finalize()

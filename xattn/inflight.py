@@ -344,7 +344,7 @@ class Scheduler:
         if chosen is not None:
             source_rows, run.tokens = chosen
             if source_rows is not None:
-                self.cache.rows(run.start, run.stop, run.position).reorder(source_rows)
+                self.decoder.reorder(self.cache.rows(run.start, run.stop, run.position), source_rows)
             return False
         sequences, scores = run.search.result()
         request = run.handle.request

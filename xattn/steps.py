@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import CrossAttentionCache
+from .cache import CrossAttentionCache, RowCopy
 
 Projection = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
 
@@ -54,6 +54,8 @@ class DecoderSteps:
     # these steps with every row independent at any count (None: they are already, or cannot be): what in-flight
     # batching runs rows of different requests through (xattn/inflight.py)
     rowwise: DecoderSteps | None = field(default=None, repr=False)
+    # beam search's reorder of the cache's self K/V in one call (xattn.fast's kernel; None: torch's index ops)
+    reorder_rows: RowCopy | None = field(default=None, repr=False)
 
 
 class ExactConv1D:

@@ -70,6 +70,7 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
         fused=FusedLayers.build(transformer, projections, decoder.scalings, weights, config.activation_function),
         greedy_head=None if decoder.output_fn is not None else GreedyHead.build(lm_head),
         independent_rows=formats.independent_rows(weights),
+        reorder_rows=kernels.reorder_rows if kernels.available() else None,
     )
     steps.rowwise = _rowwise(steps)
     return steps

@@ -117,7 +117,8 @@ class XattnModel:
         plan = self._plan(*args, **kwargs)
         scores = None
         if plan.opts.num_beams > 1:
-            sequences, scores = beam_search(self._decode_step, plan.cache, plan.prompt, plan.logits, plan.opts)
+            sequences, scores = beam_search(self._decode_step, plan.cache, plan.prompt, plan.logits, plan.opts,
+                                            reorder=self.decoder.reorder)
         else:
             logprobs = ChosenLogprobs(plan.sequences.shape[0], plan.opts.max_new_tokens, plan.sequences.device) \
                 if return_dict_in_generate else None

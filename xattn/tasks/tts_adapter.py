@@ -168,7 +168,8 @@ class PrefixConditionedGPT2:
             return self.head(self._latent(decoder.decode_step(tokens, cache)))
 
         prompt = self._prompt(hidden.shape[0], start_token, hidden.device)
-        sequences, _ = beam_search(step, cache, prompt, self.head(self._latent(hidden)), opts)
+        sequences, _ = beam_search(step, cache, prompt, self.head(self._latent(hidden)), opts,
+                                   reorder=decoder.reorder)
         sequences = sequences[:, prompt.shape[1]:]
         # the beams were reordered on the way: their latents come from one teacher-forced pass over the winners
         rows = opts.num_return_sequences

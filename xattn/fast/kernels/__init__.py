@@ -1,5 +1,5 @@
-"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp),
-compiled on first use with the system's g++ against torch's headers.
+"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp,
+cache_rows.cpp), compiled on first use with the system's g++ against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
 `matvec_rows(x, weight, bias=None)`: the same product reading an fp32 weight [N, K] as it is (no copy).
@@ -7,8 +7,9 @@ compiled on first use with the system's g++ against torch's headers.
 per row inside.
 `decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
 argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). `encoder_layers(...)`: a
-batch through every ViT layer (see encoder.cpp). Every op checks each tensor it is given (checks.h) and refuses a
-wrong one with a RuntimeError naming it.
+batch through every ViT layer (see encoder.cpp). `reorder_rows(...)`: a beam step's reorder of the cache's self K/V
+in one call (see cache_rows.cpp). Every op checks each tensor it is given (checks.h) and refuses a wrong one with a
+RuntimeError naming it.
 
 The build lands in ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the sources and the torch version, so later processes
 load it at once. One process builds while others wait on a lock file; g++'s output goes to a .log beside the build,
@@ -35,7 +36,8 @@ from collections.abc import Iterator
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp")]
+_SOURCES = [os.path.join(_HERE, name)
+            for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp", "cache_rows.cpp")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h", "checks.h")]
 _state: dict = {}
 
@@ -128,6 +130,12 @@ def encoder_layers(hidden, norm_weight, norm_bias, weights, biases, packed, head
     encoder.cpp)."""
     torch.ops.xattn_kernels.encoder_layers(hidden, norm_weight, norm_bias, weights, biases, packed, heads, eps,
                                            workspace)
+
+
+def reorder_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, valid: int) -> None:
+    """Row i of keys/values [L, B, H, T_max, hd] takes row index[i]'s positions [0, valid), in place (beam search's
+    reorder; any mapping, each source read as it was before the call)."""
+    torch.ops.xattn_kernels.reorder_rows(keys, values, index, valid)
 
 
 def greedy_tokens(x, weight, bias, screen, scale, bounds, forbidden) -> torch.Tensor:

@@ -1,0 +1,82 @@
+// Beam reorders of a decode cache's self K/V in one call: xattn_kernels::reorder_rows.
+//
+// After each beam step, row i of the cache takes the keys and values of row index[i] (the beam it extends). torch's
+// index ops do that as a gather and a copy back per layer and tensor (~50 ops a step, each copying every row). Here
+// each (layer, row, head)'s valid positions are one memcpy, only rows whose source is another row are written, and a
+// source that is itself written is read into a scratch buffer first, so that any mapping (swaps and cycles included)
+// copies the contents from before the call.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "checks.h"
+
+namespace {
+
+// keys/values [L, B, H, T_max, hd] (any dtype; a cache or a range of its rows: positions contiguous, the rest
+// strided); index [B] int64, each in [0, B); valid: the positions [0, valid) to move.
+void reorder_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& index, int64_t valid) {
+  TORCH_CHECK(keys.defined() && keys.device().is_cpu() && keys.dim() == 5,
+              "keys [L, B, H, T_max, hd]: expected a CPU tensor with 5 dimensions, got ", xattn::describe(keys));
+  const int64_t L = keys.size(0), B = keys.size(1), H = keys.size(2), T = keys.size(3), hd = keys.size(4);
+  TORCH_CHECK(keys.stride(4) == 1 && keys.stride(3) == hd && keys.stride(2) >= T * hd &&
+                  keys.stride(1) >= H * keys.stride(2) && keys.stride(0) >= B * keys.stride(1),
+              "keys [L, B, H, T_max, hd]: expected a contiguous cache or a range of its rows, got ",
+              xattn::describe(keys), " with strides ", keys.strides());
+  TORCH_CHECK(values.defined() && values.device().is_cpu() && values.scalar_type() == keys.scalar_type() &&
+                  values.sizes().equals(keys.sizes()) && values.strides().equals(keys.strides()),
+              "values (keys' shape): expected a CPU ", xattn::dtype_name(keys.scalar_type()), " ", keys.sizes(),
+              " tensor with keys' strides, got ", xattn::describe(values));
+  TORCH_CHECK(!keys.is_alias_of(values), "keys and values must be separate tensors, not views of one storage");
+  xattn::check_kind(index, at::kLong, 1, false, "index");
+  TORCH_CHECK(index.size(0) == B, "index: expected one source row per cache row (", B, "), got ",
+              xattn::describe(index));
+  TORCH_CHECK(valid >= 0 && valid <= T, "valid: expected a number of positions in [0, ", T, "], got ", valid);
+  const at::Tensor rows = index.contiguous();
+  const int64_t* source = rows.data_ptr<int64_t>();
+  std::vector<int64_t> moved;  // rows that take another row's K/V
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(source[b] >= 0 && source[b] < B, "index[", b, "] = ", source[b], " is outside the ", B,
+                " cache rows");
+    if (source[b] != b) moved.push_back(b);
+  }
+  if (moved.empty() || valid == 0 || hd == 0) return;
+  std::vector<int64_t> slot(B, -1);  // a written row's place in the scratch buffer, where another row reads it
+  int64_t saved = 0;
+  for (const int64_t b : moved)
+    if (source[source[b]] != source[b] && slot[source[b]] < 0) slot[source[b]] = saved++;
+
+  const int64_t bytes = keys.element_size(), block = valid * hd * bytes;  // one (layer, row, head)'s positions
+  const int64_t sL = keys.stride(0) * bytes, sB = keys.stride(1) * bytes, sH = keys.stride(2) * bytes;
+  char* const bases[2] = {static_cast<char*>(keys.data_ptr()), static_cast<char*>(values.data_ptr())};
+  at::parallel_for(0, 2 * L, 1, [&](int64_t begin, int64_t end) {
+    std::vector<char> scratch(saved * H * block);
+    for (int64_t task = begin; task < end; ++task) {
+      char* layer = bases[task % 2] + (task / 2) * sL;
+      for (int64_t b = 0; b < B; ++b)
+        if (slot[b] >= 0)
+          for (int64_t h = 0; h < H; ++h)
+            std::memcpy(scratch.data() + (slot[b] * H + h) * block, layer + b * sB + h * sH, block);
+      for (const int64_t b : moved) {
+        const int64_t from = source[b];
+        for (int64_t h = 0; h < H; ++h) {
+          const char* read =
+              slot[from] >= 0 ? scratch.data() + (slot[from] * H + h) * block : layer + from * sB + h * sH;
+          std::memcpy(layer + b * sB + h * sH, read, block);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
+  m.def("reorder_rows(Tensor(a!) keys, Tensor(b!) values, Tensor index, int valid) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) { m.impl("reorder_rows", &reorder_rows); }
