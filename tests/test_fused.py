@@ -90,6 +90,43 @@ def test_fused_int8_step_stays_close_to_the_blocks(rows, fused_calls, int8_kerne
     assert fused_calls == [rows] * 6
 
 
+@pytest.mark.parametrize("layout", list(_layouts()))
+@pytest.mark.parametrize("width,heads", [(32, 4), (96, 8)])  # head dims 8 and 12 (a tail past 8 lanes)
+def test_int8_steps_keep_cross_kv_in_float16_and_read_them_exactly(layout, width, heads, fused_calls):
+    """The same step over float32 cross K/V holding the float16 values gives the same bits: float16 -> float32 is
+    exact, so the kernel's float16 reads change nothing but the bytes read."""
+    decoder = xattn.from_hf(tiny_captioner(seed=66, n_embd=width, n_head=heads, encoder_hidden=32),
+                            weights="int8").decoder
+    args = _layouts()[layout]
+    args["states"] = torch.randn(2, 17, width, generator=torch.Generator().manual_seed(9))  # the decoder's width
+    half, wide = _caches(decoder, **args)
+    assert half.cross_keys.dtype == half.cross_values.dtype == torch.float16
+    wide.set_cross(wide.cross_keys.float(), wide.cross_values.float(), wide.cross_mask)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(3, 99, (half.batch_size,), generator=generator)
+        assert torch.equal(decoder.decode_step(ids, half), decoder.decode_step(ids, wide))
+    assert len(fused_calls) == 8
+    assert torch.equal(half.keys, wide.keys) and torch.equal(half.values, wide.values)
+
+
+def test_cross_kv_too_large_for_float16_stay_float32_and_interop_hands_out_float32():
+    decoder = xattn.from_hf(tiny_captioner(seed=67), weights="int8").decoder
+    states = torch.randn(1, 17, 32, generator=torch.Generator().manual_seed(2))
+    cache = decoder.new_cache(2, 8, states)
+    assert cache.cross_keys.dtype == torch.float16
+    legacy = cache.to_legacy(cross=True)
+    assert legacy[0][2].dtype == legacy[0][3].dtype == torch.float32
+    assert torch.equal(legacy[0][2][0], cache.cross_keys[0, 0].float())
+    big = states.clone()
+    big[0, 3] *= 1e8  # a position whose K/V pass float16's largest finite value
+    keys, values = decoder.cross_key_values(big)
+    assert keys.dtype == values.dtype == torch.float32 and values.abs().max() > 65504
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    exact = xattn.from_hf(tiny_captioner(seed=67), weights="packed").decoder
+    assert exact.new_cache(2, 8, states).cross_keys.dtype == torch.float32  # packed: transformers' tokens, fp32
+
+
 def test_generate_with_the_fused_step_gives_transformers_tokens(fused_calls):
     model = tiny_captioner(seed=64)
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(7))

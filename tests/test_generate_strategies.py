@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from xattn.generate import BeamSearchDecoder, GenerationOptions, sample_stream
+from xattn.generate import BeamSearchDecoder, GenerationOptions, sample_stream, top_candidates
 from xattn.logit_filters import MinNewTokens, RepetitionPenalty, Temperature, TopK, TopP
 
 VOCAB = 16  # small, so EOS comes up often and beams finish at different lengths
@@ -198,3 +198,36 @@ def test_beam_search_decoder_equals_transformers(gpt2, kwargs):
     sequences, scores = beam_search_without_cache(gpt2, input_ids, options(gpt2, input_ids, **kwargs))
     assert torch.equal(sequences, expected.sequences)
     torch.testing.assert_close(scores, expected.sequences_scores, rtol=1e-5, atol=1e-6)
+
+
+def _totals(kind: str, seed: int) -> torch.Tensor:
+    """[B, beams, V] beam totals: distinct values, or with the equal values, -inf and NaN real searches meet."""
+    generator = torch.Generator().manual_seed(seed)
+    totals = torch.randn(3, 4, 50, generator=generator) - 5
+    if kind == "coarse":  # many equal values, some among the best
+        totals = (totals * 2).round() / 2
+    elif kind == "masked":  # filters leave few finite tokens: -inf ties at the boundary
+        totals[:, :, 2:] = float("-inf")
+    elif kind == "nan":
+        totals[1, 2, 7] = float("nan")
+    elif kind == "first step":  # beams past the first start at _NEG: one beam's best are the candidates
+        totals[:, 1:] -= 1e9
+    elif kind == "equal beams":  # two beams whose best values are equal
+        totals[:, 1] = totals[:, 0]
+    return totals
+
+
+@pytest.mark.parametrize("kind", ["distinct", "coarse", "masked", "nan", "first step", "equal beams"])
+@pytest.mark.parametrize("keep", [1, 8, 49, 50])
+def test_top_candidates_are_torch_topk_over_all_beams(kind, keep, monkeypatch):
+    totals = _totals(kind, seed=keep)
+    flat = totals.view(3, -1)
+    expected_values, expected_index = torch.topk(flat, keep)
+    shapes = []
+    real = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: shapes.append(tuple(x.shape)) or real(x, k, *a, **kw))
+    values, index = top_candidates(totals, keep)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(index, expected_index)
+    if kind in ("distinct", "first step") and keep < 50:  # no ties: the per-beam path answered alone
+        assert shapes == [(3, 4, 50), (3, 4 * (keep + 1))]

@@ -256,7 +256,8 @@ class CrossAttentionCache:
     def _cross_per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross K/V laid out per decoding row, [layers, B, H, S, D] (a copy; only for interop)."""
         rows = self.encoder_rows()
-        return self.cross_keys.index_select(1, rows), self.cross_values.index_select(1, rows)
+        dtype = self.keys.dtype  # stored narrower by some formats (DecoderSteps.cross_dtype); handed out as the model's
+        return self.cross_keys.index_select(1, rows).to(dtype), self.cross_values.index_select(1, rows).to(dtype)
 
     @classmethod
     def _from_layers(cls, self_kv, cross_kv, max_length, cross_mask, dedupe_cross) -> CrossAttentionCache:

@@ -115,16 +115,25 @@ class GPT2CrossAttentionDecoder(nn.Module):
 
     @torch.no_grad()
     def cross_key_values(self, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-attention K/V of every layer, [layers, B_enc, H, S, D] each."""
+        """Cross-attention K/V of every layer, [layers, B_enc, H, S, D] each, in the dtype the steps keep them in
+        (DecoderSteps.cross_dtype; the states' own where a value would not fit it)."""
         if not self.has_cross_attention:
             raise ValueError(
                 "this GPT-2 decoder has no cross-attention layers (config.add_cross_attention=False); "
                 "pass no encoder_hidden_states, or use a model built with add_cross_attention=True"
             )
+        keys, values = self._cross_key_values(encoder_hidden_states, self.steps.cross_dtype)
+        if keys.dtype != encoder_hidden_states.dtype and (keys.isinf().any() or values.isinf().any()):
+            # a value past the narrower dtype's range (or one that was infinite already): kept as computed
+            keys, values = self._cross_key_values(encoder_hidden_states, None)
+        return keys, values
+
+    def _cross_key_values(self, encoder_hidden_states: torch.Tensor, dtype: torch.dtype | None):
+        """Cross K/V stored in `dtype` (steps.cross_dtype: converted as they are written) or the states' own."""
         b, s, _ = encoder_hidden_states.shape
         shape = (self.num_layers, b, self.num_heads, s, self.head_dim)
-        keys = encoder_hidden_states.new_empty(shape)
-        values = encoder_hidden_states.new_empty(shape)
+        keys = encoder_hidden_states.new_empty(shape, dtype=dtype)
+        values = encoder_hidden_states.new_empty(shape, dtype=dtype)
         # "exact" projects the batch at once, as transformers does; a format may take a few rows at a time
         group = b if self.steps.cross_rows is None else self.steps.cross_rows(s)
         for layer_idx, projection in enumerate(self.steps.cross_kv):
@@ -272,6 +281,7 @@ class GPT2CrossAttentionDecoder(nn.Module):
             x = _layer_norm(hidden, block.ln_cross_attn)
             q = proj["cross_q"](x).view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
             ck, cv = cache.cross_keys[layer_idx], cache.cross_values[layer_idx]  # (B_enc, H, S, hd)
+            ck, cv = ck.to(q.dtype), cv.to(q.dtype)  # where the steps store them in another dtype (cross_dtype)
             attn = _shared_cross_attention(q, ck, cv, cross_mask, enc_index, scaling, self.attention)
             if record is not None:
                 record.append(_cross_probs(q, ck, cache.encoder_rows(), cache.cross_mask, scaling))

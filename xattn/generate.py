@@ -278,8 +278,8 @@ class BeamSearchDecoder:
         log_probs = F.log_softmax(logits.float(), dim=-1)
         for f in self.filters:
             log_probs = f.apply(log_probs, self.running[:, :, :cur].reshape(self.batch * self.k, cur))
-        totals = (log_probs.view(self.batch, self.k, vocab) + self.running_scores[:, :, None]).view(self.batch, -1)
-        cand_scores, cand_index = torch.topk(totals, self.keep)  # [B, keep]
+        totals = log_probs.view(self.batch, self.k, vocab) + self.running_scores[:, :, None]
+        cand_scores, cand_index = top_candidates(totals, self.keep)  # [B, keep], index into [k * V]
         cand_seqs = torch.take_along_dim(self.running, (cand_index // vocab)[:, :, None], dim=1)
         cand_seqs[:, :, cur] = cand_index % vocab
         hits = torch.full_like(cand_scores, cur + 1 >= self.max_length, dtype=torch.bool)
@@ -330,6 +330,25 @@ class BeamSearchDecoder:
         lengths = self.finished_lengths[:, :n].reshape(-1)
         sequences = self.finished_seqs[:, :n].reshape(self.batch * n, self.max_length)
         return sequences[:, : self.prompt_length + int(lengths.max())], self.finished_scores[:, :n].reshape(-1)
+
+
+def top_candidates(totals: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(totals.view(B, -1), keep) for totals [B, beams, V], found through each beam's keep + 1 best first
+    (beams * B small top-ks, which torch spreads over its threads, where one over beams * V runs on one).
+
+    Where the keep + 1 best of those are strictly decreasing, every value outside them is below the keep-th (a beam's
+    own keep + 1-th bounds the rest of its row), so the keep best are torch.topk's exactly, values and indices; with
+    equal values or NaN among them it is torch.topk over all, whose choice among equals is its own."""
+    b, beams, vocab = totals.shape
+    flat = totals.view(b, beams * vocab)
+    if keep + 1 > vocab:
+        return torch.topk(flat, keep)
+    values, index = torch.topk(totals, keep + 1)  # [B, beams, keep + 1]
+    index = index + torch.arange(beams, device=totals.device)[:, None] * vocab  # into [beams * V]
+    best, at = torch.topk(values.view(b, -1), keep + 1)
+    if not bool((best[:, :-1] > best[:, 1:]).all()):
+        return torch.topk(flat, keep)
+    return best[:, :keep], torch.take_along_dim(index.view(b, -1), at[:, :keep], dim=1)
 
 
 def beam_search(

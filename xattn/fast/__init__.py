@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
 from ..decoder import GPT2CrossAttentionDecoder, plain_attention
@@ -58,6 +59,7 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
                    for block in transformer.h]
     lm_head = None if decoder.lm_head is None else formats.linear(decoder.lm_head, weights)
     copies = weights != "exact"
+    fused = FusedLayers.build(transformer, projections, decoder.scalings, weights, config.activation_function)
     steps = DecoderSteps(
         name=weights, cross_name=cross_weights, projections=projections,
         cross_kv=[formats.conv1d(block.crossattention.c_attn, cross_weights, bulk=True) for block in transformer.h
@@ -67,7 +69,9 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
         attention=plain_attention if copies else DecoderSteps.attention,
         tanh_gelu=copies and config.activation_function in ("gelu_new", "gelu_pytorch_tanh"),
         cross_rows=None if cross_weights == "exact" else _cross_rows(decoder),
-        fused=FusedLayers.build(transformer, projections, decoder.scalings, weights, config.activation_function),
+        fused=fused,
+        # int8 steps read cross K/V as float16 where the fused step runs (it converts them exactly as it reads)
+        cross_dtype=torch.float16 if weights == "int8" and fused is not None else None,
         greedy_head=None if decoder.output_fn is not None else GreedyHead.build(lm_head),
         independent_rows=formats.independent_rows(weights),
         reorder_rows=kernels.reorder_rows if kernels.available() else None,

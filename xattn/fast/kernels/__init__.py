@@ -151,7 +151,7 @@ def _cpu_has_avx2_fma() -> bool:
             flags = next(line for line in f if line.startswith("flags")).split()
     except (OSError, StopIteration):
         return False
-    return "avx2" in flags and "fma" in flags
+    return "avx2" in flags and "fma" in flags and "f16c" in flags  # every AVX2 CPU has F16C
 
 
 class BuildError(RuntimeError):
@@ -230,7 +230,7 @@ def _compile(out: str, log: str) -> None:
     """g++ over the sources into `out`, its output into `log`; BuildError on failure or past the timeout."""
     torch_dir = os.path.dirname(torch.__file__)
     abi = int(torch.compiled_with_cxx11_abi())
-    command = ["g++", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+    command = ["g++", "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
                f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", os.path.join(torch_dir, "include"),
                "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"), *_SOURCES,
                "-L", os.path.join(torch_dir, "lib"), "-lc10", "-ltorch_cpu", "-o", out]

@@ -34,19 +34,31 @@ using xattn::exponentiate;
 using xattn::layer_norm;
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
+// K/V elements: float32 (self-attention, and cross-attention of exact formats) or float16 (the int8 format's cross
+// K/V: half the bytes a step reads at many rows). A float16 value converts to float32 exactly, so a step over float16
+// K/V gives the bits it gives over float32 K/V holding the same values (the scalar tails are explicit fmas: left to
+// the compiler, one instantiation's `a * b + c` was contracted and the other's not).
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+inline float value(float x) { return x; }
+inline float value(at::Half x) { return static_cast<float>(x); }
+
 // scores[t] = q . keys[t] for t < positions, four keys at a time (four independent FMA chains).
-void dots(const float* q, const float* keys, int64_t positions, int64_t hd, float* scores) {
+template <typename T>
+void dots(const float* q, const T* keys, int64_t positions, int64_t hd, float* scores) {
   const int64_t h8 = hd - hd % 8;
   int64_t t = 0;
   for (; t + 4 <= positions; t += 4) {
-    const float* k = keys + t * hd;
+    const T* k = keys + t * hd;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < h8; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + i), a3);
+      a0 = _mm256_fmadd_ps(qv, load8(k + i), a0);
+      a1 = _mm256_fmadd_ps(qv, load8(k + hd + i), a1);
+      a2 = _mm256_fmadd_ps(qv, load8(k + 2 * hd + i), a2);
+      a3 = _mm256_fmadd_ps(qv, load8(k + 3 * hd + i), a3);
     }
     // lanes: (a0 a0 a1 a1 | a0 a0 a1 a1) -> (a0 a1 a2 a3 | a0 a1 a2 a3), then the two halves added
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -54,32 +66,33 @@ void dots(const float* q, const float* keys, int64_t positions, int64_t hd, floa
     alignas(16) float sums[4];
     _mm_store_ps(sums, four);
     for (int j = 0; j < 4; ++j) {
-      for (int64_t i = h8; i < hd; ++i) sums[j] += q[i] * k[j * hd + i];
+      for (int64_t i = h8; i < hd; ++i) sums[j] = std::fma(q[i], value(k[j * hd + i]), sums[j]);
       scores[t + j] = sums[j];
     }
   }
   for (; t < positions; ++t) {
     float sum = 0.f;
-    for (int64_t i = 0; i < hd; ++i) sum += q[i] * keys[t * hd + i];
+    for (int64_t i = 0; i < hd; ++i) sum = std::fma(q[i], value(keys[t * hd + i]), sum);
     scores[t] = sum;
   }
 }
 
 // out = sum_t p[t] v[t] * inv, with hd = 8 V held in V registers.
-template <int V>
-void weighted_sum_regs(const float* p, const float* v, int64_t positions, float inv, float* out) {
+template <int V, typename T>
+void weighted_sum_regs(const float* p, const T* v, int64_t positions, float inv, float* out) {
   __m256 acc[V];
   for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t t = 0; t < positions; ++t) {
     if (p[t] == 0.f) continue;  // masked
     const __m256 w = _mm256_set1_ps(p[t]);
-    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + t * 8 * V + 8 * i), acc[i]);
+    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, load8(v + t * 8 * V + 8 * i), acc[i]);
   }
   const __m256 scale = _mm256_set1_ps(inv);
   for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], scale));
 }
 
-void weighted_sum(const float* p, const float* v, int64_t positions, int64_t hd, float total, float* out) {
+template <typename T>
+void weighted_sum(const float* p, const T* v, int64_t positions, int64_t hd, float total, float* out) {
   const float inv = 1.f / total;
   switch (hd) {
     case 8: return weighted_sum_regs<1>(p, v, positions, inv, out);
@@ -89,12 +102,13 @@ void weighted_sum(const float* p, const float* v, int64_t positions, int64_t hd,
   }
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (int64_t t = 0; t < positions; ++t)
-    for (int64_t i = 0; i < hd; ++i) out[i] += p[t] * v[t * hd + i];
+    for (int64_t i = 0; i < hd; ++i) out[i] = std::fma(p[t], value(v[t * hd + i]), out[i]);
   for (int64_t i = 0; i < hd; ++i) out[i] *= inv;
 }
 
 // softmax(q K^T * scale) V for one query row of one head; keys/values [positions, hd]; mask may be null.
-void attend(const float* q, const float* keys, const float* values, int64_t positions, int64_t hd, float scale,
+template <typename T>
+void attend(const float* q, const T* keys, const T* values, int64_t positions, int64_t hd, float scale,
             const bool* mask, std::vector<float>& scores, float* out) {
   scores.resize(positions);
   dots(q, keys, positions, hd, scores.data());
@@ -206,21 +220,24 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
   const std::vector<Weight> ws = projections(weights, scales, biases, packed, L, has_cross, D);
 
   int64_t B_enc = 1, S = 0;
-  const float *ck = nullptr, *cv = nullptr;
+  const void *ck = nullptr, *cv = nullptr;
+  bool half = false;  // float16 cross K/V
   at::Tensor mask;
   std::vector<int64_t> enc_row(B);
   TORCH_CHECK(has_cross || !(cross_values.has_value() || cross_mask.has_value() || enc_index.has_value()),
               "cross_values, cross_mask and enc_index need cross_keys");
   if (has_cross) {
-    xattn::check_kind(*cross_keys, at::kFloat, 5, true, "cross_keys [L, B_enc, H, S, hd]");
+    half = cross_keys->defined() && cross_keys->scalar_type() == at::kHalf;
+    const at::ScalarType kind = half ? at::kHalf : at::kFloat;
+    xattn::check_kind(*cross_keys, kind, 5, true, "cross_keys [L, B_enc, H, S, hd] (float32 or float16)");
     B_enc = cross_keys->size(1);
     S = cross_keys->size(3);
-    xattn::check_tensor(*cross_keys, at::kFloat, {L, B_enc, H, S, hd}, "cross_keys [L, B_enc, H, S, hd]");
+    xattn::check_tensor(*cross_keys, kind, {L, B_enc, H, S, hd}, "cross_keys [L, B_enc, H, S, hd]");
     TORCH_CHECK(B_enc > 0, "cross_keys: expected at least one encoder row, got ", xattn::describe(*cross_keys));
     TORCH_CHECK(cross_values.has_value(), "cross_keys need cross_values");
-    xattn::check_tensor(*cross_values, at::kFloat, cross_keys->sizes(), "cross_values (cross_keys' shape)");
-    ck = cross_keys->data_ptr<float>();
-    cv = cross_values->data_ptr<float>();
+    xattn::check_tensor(*cross_values, kind, cross_keys->sizes(), "cross_values (cross_keys' shape and dtype)");
+    ck = cross_keys->data_ptr();
+    cv = cross_values->data_ptr();
     if (cross_mask.has_value()) {
       xattn::check_kind(*cross_mask, at::kBool, 2, false, "cross_mask");
       mask = cross_mask->contiguous();
@@ -313,7 +330,13 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
                 [&](int64_t b, int64_t head, const float* q, std::vector<float>& scores, float* o) {
                   const int64_t e = enc_row[b];
                   const int64_t at = ((l * B_enc + e) * H + head) * S * hd;
-                  attend(q, ck + at, cv + at, S, hd, scale, cmask ? cmask + e * S : nullptr, scores, o);
+                  const bool* m = cmask ? cmask + e * S : nullptr;
+                  if (half)
+                    attend(q, static_cast<const at::Half*>(ck) + at, static_cast<const at::Half*>(cv) + at, S, hd,
+                           scale, m, scores, o);
+                  else
+                    attend(q, static_cast<const float*>(ck) + at, static_cast<const float*>(cv) + at, S, hd, scale,
+                           m, scores, o);
                 });
       project(attn.data(), h, Store::kAdd);
     }
