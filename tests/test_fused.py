@@ -110,6 +110,22 @@ def test_int8_steps_keep_cross_kv_in_float16_and_read_them_exactly(layout, width
     assert torch.equal(half.keys, wide.keys) and torch.equal(half.values, wide.values)
 
 
+def test_a_step_of_many_rows_gives_each_row_the_bits_it_gets_alone():
+    """23 rows x an MLP of 400: the GELU's 9200 values are shared between the threads (split mid-row, a scalar tail
+    at the end), and each row still gets what it gets alone, where the GELU runs in one call."""
+    decoder = xattn.from_hf(tiny_captioner(seed=68, n_embd=96, n_head=8, n_inner=400, encoder_hidden=96),
+                            weights="packed").decoder
+    rows = 23
+    states = torch.randn(rows, 17, 96, generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 99, (rows,), generator=torch.Generator().manual_seed(5))
+    cache = decoder.new_cache(rows, 8, states)
+    together = decoder.decode_step(ids, cache)
+    for row in range(rows):  # the same cross K/V (their projection over 23 inputs is not row by row)
+        own = decoder.new_cache(1, 8)
+        own.set_cross(cache.cross_keys[:, row:row + 1], cache.cross_values[:, row:row + 1], None)
+        assert torch.equal(together[row:row + 1], decoder.decode_step(ids[row:row + 1], own)), f"row {row}"
+
+
 def test_cross_kv_too_large_for_float16_stay_float32_and_interop_hands_out_float32():
     decoder = xattn.from_hf(tiny_captioner(seed=67), weights="int8").decoder
     states = torch.randn(1, 17, 32, generator=torch.Generator().manual_seed(2))

@@ -109,7 +109,8 @@ class CrossAttentionCache:
                 f"cache has {self.batch_size} rows, which is not a multiple of the {b_enc} encoder rows; "
                 "pass enc_index to map rows to encoder rows"
             )
-        self.cross_keys, self.cross_values = cross_keys, cross_values
+        # contiguous: the fused step reads them as one block (a slice of another cache's is copied here)
+        self.cross_keys, self.cross_values = cross_keys.contiguous(), cross_values.contiguous()
         self.cross_mask = None if cross_mask is None else cross_mask.to(torch.bool)
 
     def set_row_mask(self, row_mask: torch.Tensor) -> None:

@@ -70,6 +70,13 @@ class GPT2CrossAttentionDecoder(nn.Module):
         self.activation = _tanh_gelu if self.steps.tanh_gelu else _module_activation
         self.fused = self.steps.fused
         self.greedy_head = None if head is not None else self.steps.greedy_head
+        # where cross K/V are kept narrower: the largest column sum of |W| and the largest |b| of the blocks' cross
+        # K/V projections (transformers' own weights), which bound them (_cross_kv_bound)
+        self._cross_kv_terms = None
+        if self.steps.cross_dtype is not None and self.has_cross_attention:
+            convs = [block.crossattention.c_attn for block in transformer.h if hasattr(block, "crossattention")]
+            self._cross_kv_terms = (max(float(c.weight.detach().abs().sum(0).max()) for c in convs),
+                                    max(float(c.bias.detach().abs().max()) for c in convs))
 
     @property
     def weights(self) -> str:
@@ -122,11 +129,20 @@ class GPT2CrossAttentionDecoder(nn.Module):
                 "this GPT-2 decoder has no cross-attention layers (config.add_cross_attention=False); "
                 "pass no encoder_hidden_states, or use a model built with add_cross_attention=True"
             )
-        keys, values = self._cross_key_values(encoder_hidden_states, self.steps.cross_dtype)
-        if keys.dtype != encoder_hidden_states.dtype and (keys.isinf().any() or values.isinf().any()):
-            # a value past the narrower dtype's range (or one that was infinite already): kept as computed
-            keys, values = self._cross_key_values(encoder_hidden_states, None)
-        return keys, values
+        dtype = self.steps.cross_dtype
+        # in the steps' dtype where every value fits it, with room for rounding and the format's quantization
+        if self._cross_kv_terms is None or not self._cross_kv_bound(encoder_hidden_states) < torch.finfo(dtype).max / 2:
+            dtype = None
+        return self._cross_key_values(encoder_hidden_states, dtype)
+
+    def _cross_kv_bound(self, encoder_hidden_states: torch.Tensor) -> float:
+        """A bound on |cross K/V| for these states: |x W + b| <= max|x| * (the largest column sum of |W|) + max|b|
+        (inf or nan where the states hold one). Read from transformers' own Conv1D weights; a format's copy of them
+        (int8) lands within a few % of these values, which the caller's margin covers."""
+        if not encoder_hidden_states.numel():
+            return 0.0
+        column, bias = self._cross_kv_terms
+        return float(encoder_hidden_states.detach().abs().amax()) * column + bias
 
     def _cross_key_values(self, encoder_hidden_states: torch.Tensor, dtype: torch.dtype | None):
         """Cross K/V stored in `dtype` (steps.cross_dtype: converted as they are written) or the states' own."""
