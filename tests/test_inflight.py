@@ -263,6 +263,25 @@ def test_given_encoder_states_of_different_lengths_and_longer_prompts():
         assert torch.equal(handle.result.sequences, engine.generate(**_kwargs(kwargs, i))), f"request {i}"
 
 
+def test_a_request_whose_cross_kv_do_not_fit_float16_widens_the_shared_ones():
+    """int8 keeps cross K/V in float16; a request whose values might not fit gets float32 ones, the shared tensors
+    become float32 and the requests already running keep their tokens (float16 values read exactly either way)."""
+    model = _trained_like(tiny_gpt2(seed=6))
+    engine = xattn.from_hf(model, weights="int8")
+    scheduler = engine.inflight(max_rows=6)
+    g = torch.Generator().manual_seed(3)
+    states = [torch.randn(1, 7, 32, generator=g), 1e6 * torch.randn(1, 7, 32, generator=g)]
+    cases = [dict(input_ids=torch.tensor([[1, 5]]), encoder_hidden_states=s, max_new_tokens=10) for s in states]
+    first = scheduler.submit(engine.request(**cases[0]))
+    scheduler.step()
+    assert scheduler.cache.cross_keys.dtype == torch.float16
+    second = scheduler.submit(engine.request(**cases[1]))
+    scheduler.run()
+    assert scheduler.cache.cross_keys.dtype == torch.float32
+    for handle, kwargs in zip((first, second), cases):
+        assert torch.equal(handle.result.sequences, engine.generate(**kwargs))
+
+
 def test_speech_inputs_of_different_lengths():
     model = _trained_like(tiny_recognizer())
     waves = [torch.randn(1, n, generator=torch.Generator().manual_seed(n)) for n in (1600, 1100, 1600, 700)]

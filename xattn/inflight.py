@@ -390,6 +390,9 @@ class Scheduler:
             shape = list(cross_keys.shape)
             shape[1] = self.max_rows
             cache.cross_keys, cache.cross_values = cross_keys.new_zeros(shape), cross_keys.new_zeros(shape)
+        if cross_keys.element_size() > cache.cross_keys.element_size():  # K/V that did not fit the steps' narrower
+            dtype = cross_keys.dtype  # dtype (DecoderSteps.cross_dtype): every request's are held in theirs from now
+            cache.cross_keys, cache.cross_values = cache.cross_keys.to(dtype), cache.cross_values.to(dtype)
         held = cache.cross_keys.shape[3]
         if positions > held or (positions < held or mask is not None) and cache.cross_mask is None:
             self._grow_cross(max(positions, held))
