@@ -1,6 +1,6 @@
-"""The layers' import rules: the core (cache, decoder, generate, its filters and steps, in-flight batching) imports no
-other part of xattn; fast/ and hf/ build on the core only; tasks/ never reach train/ or bench/. Read from the source
-(ast), so a lazy import inside a function counts too."""
+"""The layers' import rules: the core (cache, decoder, generate, its options, filters and steps, in-flight batching)
+imports no other part of xattn; fast/ and hf/ build on the core only; tasks/ never reach train/ or bench/. Read from
+the source (ast), so a lazy import inside a function counts too."""
 
 import ast
 import os
@@ -8,8 +8,8 @@ import os
 import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xattn")
-CORE = ("xattn.cache", "xattn.decoder", "xattn.generate", "xattn.inflight", "xattn.logit_filters", "xattn.logprobs",
-        "xattn.steps")
+CORE = ("xattn.cache", "xattn.decoder", "xattn.generate", "xattn.generation_options", "xattn.inflight",
+        "xattn.logit_filters", "xattn.logprobs", "xattn.steps")
 RULES = {  # layer -> what it may import from xattn (besides itself)
     "core": set(CORE),
     "fast": set(CORE),

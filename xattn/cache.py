@@ -257,7 +257,7 @@ class CrossAttentionCache:
     def _cross_per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross K/V laid out per decoding row, [layers, B, H, S, D] (a copy; only for interop)."""
         rows = self.encoder_rows()
-        dtype = self.keys.dtype  # stored narrower by some formats (DecoderSteps.cross_dtype); handed out as the model's
+        dtype = self.keys.dtype  # some formats keep them narrower (DecoderSteps.cross_kv_dtype): the model's here
         return self.cross_keys.index_select(1, rows).to(dtype), self.cross_values.index_select(1, rows).to(dtype)
 
     @classmethod

@@ -70,13 +70,6 @@ class GPT2CrossAttentionDecoder(nn.Module):
         self.activation = _tanh_gelu if self.steps.tanh_gelu else _module_activation
         self.fused = self.steps.fused
         self.greedy_head = None if head is not None else self.steps.greedy_head
-        # where cross K/V are kept narrower: the largest column sum of |W| and the largest |b| of the blocks' cross
-        # K/V projections (transformers' own weights), which bound them (_cross_kv_bound)
-        self._cross_kv_terms = None
-        if self.steps.cross_dtype is not None and self.has_cross_attention:
-            convs = [block.crossattention.c_attn for block in transformer.h if hasattr(block, "crossattention")]
-            self._cross_kv_terms = (max(float(c.weight.detach().abs().sum(0).max()) for c in convs),
-                                    max(float(c.bias.detach().abs().max()) for c in convs))
 
     @property
     def weights(self) -> str:
@@ -123,29 +116,13 @@ class GPT2CrossAttentionDecoder(nn.Module):
     @torch.no_grad()
     def cross_key_values(self, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross-attention K/V of every layer, [layers, B_enc, H, S, D] each, in the dtype the steps keep them in
-        (DecoderSteps.cross_dtype; the states' own where a value would not fit it)."""
+        (DecoderSteps.cross_kv_dtype; else the states' own), converted as they are written."""
         if not self.has_cross_attention:
             raise ValueError(
                 "this GPT-2 decoder has no cross-attention layers (config.add_cross_attention=False); "
                 "pass no encoder_hidden_states, or use a model built with add_cross_attention=True"
             )
-        dtype = self.steps.cross_dtype
-        # in the steps' dtype where every value fits it, with room for rounding and the format's quantization
-        if self._cross_kv_terms is None or not self._cross_kv_bound(encoder_hidden_states) < torch.finfo(dtype).max / 2:
-            dtype = None
-        return self._cross_key_values(encoder_hidden_states, dtype)
-
-    def _cross_kv_bound(self, encoder_hidden_states: torch.Tensor) -> float:
-        """A bound on |cross K/V| for these states: |x W + b| <= max|x| * (the largest column sum of |W|) + max|b|
-        (inf or nan where the states hold one). Read from transformers' own Conv1D weights; a format's copy of them
-        (int8) lands within a few % of these values, which the caller's margin covers."""
-        if not encoder_hidden_states.numel():
-            return 0.0
-        column, bias = self._cross_kv_terms
-        return float(encoder_hidden_states.detach().abs().amax()) * column + bias
-
-    def _cross_key_values(self, encoder_hidden_states: torch.Tensor, dtype: torch.dtype | None):
-        """Cross K/V stored in `dtype` (steps.cross_dtype: converted as they are written) or the states' own."""
+        dtype = None if self.steps.cross_kv_dtype is None else self.steps.cross_kv_dtype(encoder_hidden_states)
         b, s, _ = encoder_hidden_states.shape
         shape = (self.num_layers, b, self.num_heads, s, self.head_dim)
         keys = encoder_hidden_states.new_empty(shape, dtype=dtype)
@@ -297,7 +274,7 @@ class GPT2CrossAttentionDecoder(nn.Module):
             x = _layer_norm(hidden, block.ln_cross_attn)
             q = proj["cross_q"](x).view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
             ck, cv = cache.cross_keys[layer_idx], cache.cross_values[layer_idx]  # (B_enc, H, S, hd)
-            ck, cv = ck.to(q.dtype), cv.to(q.dtype)  # where the steps store them in another dtype (cross_dtype)
+            ck, cv = ck.to(q.dtype), cv.to(q.dtype)  # where the steps keep them in another dtype (cross_kv_dtype)
             attn = _shared_cross_attention(q, ck, cv, cross_mask, enc_index, scaling, self.attention)
             if record is not None:
                 record.append(_cross_probs(q, ck, cache.encoder_rows(), cache.cross_mask, scaling))

@@ -390,8 +390,10 @@ class Scheduler:
             shape = list(cross_keys.shape)
             shape[1] = self.max_rows
             cache.cross_keys, cache.cross_values = cross_keys.new_zeros(shape), cross_keys.new_zeros(shape)
-        if cross_keys.element_size() > cache.cross_keys.element_size():  # K/V that did not fit the steps' narrower
-            dtype = cross_keys.dtype  # dtype (DecoderSteps.cross_dtype): every request's are held in theirs from now
+        if cross_keys.element_size() > cache.cross_keys.element_size():
+            # K/V that might not fit the steps' narrower dtype (DecoderSteps.cross_kv_dtype) came in their own: every
+            # request's are held in it from now on (the narrower values convert exactly)
+            dtype = cross_keys.dtype
             cache.cross_keys, cache.cross_values = cache.cross_keys.to(dtype), cache.cross_values.to(dtype)
         held = cache.cross_keys.shape[3]
         if positions > held or (positions < held or mask is not None) and cache.cross_mask is None:

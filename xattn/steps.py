@@ -54,9 +54,9 @@ class DecoderSteps:
     # these steps with every row independent at any count (None: they are already, or cannot be): what in-flight
     # batching runs rows of different requests through (xattn/inflight.py)
     rowwise: DecoderSteps | None = field(default=None, repr=False)
-    # the dtype cross K/V are stored in (None: the decoder's own): what the fused step reads at every step, so a
-    # narrower one reads fewer bytes where many rows each read their own
-    cross_dtype: torch.dtype | None = None
+    # encoder states -> the dtype their cross K/V are kept in, or None for the states' own (None: always their own):
+    # what the fused step reads at every step, so a narrower one reads fewer bytes where many rows read their own
+    cross_kv_dtype: Callable[[torch.Tensor], torch.dtype | None] | None = field(default=None, repr=False)
     # beam search's reorder of the cache's self K/V in one call (xattn.fast's kernel; None: torch's index ops)
     reorder_rows: RowCopy | None = field(default=None, repr=False)
 

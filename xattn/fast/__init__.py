@@ -71,13 +71,31 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
         cross_rows=None if cross_weights == "exact" else _cross_rows(decoder),
         fused=fused,
         # int8 steps read cross K/V as float16 where the fused step runs (it converts them exactly as it reads)
-        cross_dtype=torch.float16 if weights == "int8" and fused is not None else None,
+        cross_kv_dtype=_float16_cross_kv(transformer) if weights == "int8" and fused is not None else None,
         greedy_head=None if decoder.output_fn is not None else GreedyHead.build(lm_head),
         independent_rows=formats.independent_rows(weights),
         reorder_rows=kernels.reorder_rows if kernels.available() else None,
     )
     steps.rowwise = _rowwise(steps)
     return steps
+
+
+def _float16_cross_kv(transformer: nn.Module):
+    """Encoder states -> float16 for their cross K/V, or None (their own dtype) where a bound on the values reaches
+    half of float16's largest: max|x| x the largest column sum of |W| + max|b| over the blocks' cross K/V projections
+    (transformers' own weights; the half leaves room for rounding and an int8 copy's quantization)."""
+    convs = [block.crossattention.c_attn for block in transformer.h if hasattr(block, "crossattention")]
+    if not convs:
+        return None
+    column = max(float(c.weight.detach().abs().sum(0).max()) for c in convs)
+    bias = max(float(c.bias.detach().abs().max()) for c in convs)
+    limit = torch.finfo(torch.float16).max / 2
+
+    def dtype_for(states: torch.Tensor) -> torch.dtype | None:
+        largest = float(states.detach().abs().amax()) if states.numel() else 0.0
+        return torch.float16 if largest * column + bias < limit else None  # False for inf and nan
+
+    return dtype_for
 
 
 def _rowwise(steps: DecoderSteps) -> DecoderSteps | None:

@@ -15,7 +15,7 @@ format of those weights sets its speed.
   kernel (8-bit, symmetric per row). Where the CPU has AVX-512 VNNI that kernel takes every row count (see
   int8_kernel_everywhere); on AVX2 alone, above LIMITS.int8_kernel_rows rows fbgemm's dynamic linear (7-bit per tensor)
   is faster, and its own copy is made the first time it is needed. Where the fused step runs, the cache keeps the
-  cross-attention K/V in float16 (DecoderSteps.cross_dtype): at many rows, each reading its own input's K/V, those
+  cross-attention K/V in float16 (DecoderSteps.cross_kv_dtype): at many rows, each reading its own input's K/V, those
   reads outweigh the weights' (16 ViT-B inputs: 232 MB a step in float32).
 
 Decode steps of "packed" and "int8" at up to LIMITS.fused_rows rows run every block in one kernel call
