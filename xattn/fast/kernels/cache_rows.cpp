@@ -23,14 +23,7 @@ void reorder_rows(const at::Tensor& keys, const at::Tensor& values, const at::Te
   TORCH_CHECK(keys.defined() && keys.device().is_cpu() && keys.dim() == 5,
               "keys [L, B, H, T_max, hd]: expected a CPU tensor with 5 dimensions, got ", xattn::describe(keys));
   const int64_t L = keys.size(0), B = keys.size(1), H = keys.size(2), T = keys.size(3), hd = keys.size(4);
-  TORCH_CHECK(keys.stride(4) == 1 && keys.stride(3) == hd && keys.stride(2) >= T * hd &&
-                  keys.stride(1) >= H * keys.stride(2) && keys.stride(0) >= B * keys.stride(1),
-              "keys [L, B, H, T_max, hd]: expected a contiguous cache or a range of its rows, got ",
-              xattn::describe(keys), " with strides ", keys.strides());
-  TORCH_CHECK(values.defined() && values.device().is_cpu() && values.scalar_type() == keys.scalar_type() &&
-                  values.sizes().equals(keys.sizes()) && values.strides().equals(keys.strides()),
-              "values (keys' shape): expected a CPU ", xattn::dtype_name(keys.scalar_type()), " ", keys.sizes(),
-              " tensor with keys' strides, got ", xattn::describe(values));
+  xattn::check_cache(keys, values);
   TORCH_CHECK(!keys.is_alias_of(values), "keys and values must be separate tensors, not views of one storage");
   xattn::check_kind(index, at::kLong, 1, false, "index");
   TORCH_CHECK(index.size(0) == B, "index: expected one source row per cache row (", B, "), got ",

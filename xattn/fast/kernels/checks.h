@@ -51,6 +51,21 @@ void check_tensor(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef sha
               name..., ": expected a contiguous CPU ", dtype_name(dtype), " ", shape, " tensor, got ", describe(t));
 }
 
+// A decode cache's self K/V [L, B, H, T_max, hd] (keys a 5-d CPU tensor, checked by the caller): a whole cache or a
+// range of its rows [start, stop), a view whose layers and rows are strided; each (layer, row, head)'s positions must
+// be contiguous, and values must be laid out as keys are.
+inline void check_cache(const at::Tensor& keys, const at::Tensor& values) {
+  const int64_t B = keys.size(1), H = keys.size(2), T = keys.size(3), hd = keys.size(4);
+  TORCH_CHECK(keys.stride(4) == 1 && keys.stride(3) == hd && keys.stride(2) >= T * hd &&
+                  keys.stride(1) >= H * keys.stride(2) && keys.stride(0) >= B * keys.stride(1),
+              "keys [L, B, H, T_max, hd]: expected a contiguous cache or a range of its rows, got ", describe(keys),
+              " with strides ", keys.strides());
+  TORCH_CHECK(values.defined() && values.device().is_cpu() && values.scalar_type() == keys.scalar_type() &&
+                  values.sizes().equals(keys.sizes()) && values.strides().equals(keys.strides()),
+              "values (keys' shape): expected a CPU ", dtype_name(keys.scalar_type()), " ", keys.sizes(),
+              " tensor with keys' strides, got ", describe(values));
+}
+
 // fp32 weight [N, K] as panels [ceil(N / 16), K, 16] (xattn.kernels.panels)
 inline std::vector<int64_t> panels_shape(int64_t N, int64_t K) { return {(N + 15) / 16, K, 16}; }
 

@@ -203,15 +203,7 @@ at::Tensor decoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weigh
                 hd = keys.size(4);
   TORCH_CHECK(keys.size(1) == B && H * hd == D, "keys: the cache does not match hidden's rows or width: expected [L, B=",
               B, ", H, T_max, hd] with H * hd = D = ", D, ", got ", xattn::describe(keys));
-  // a cache's rows [start, stop) are a view whose layers and rows are strided; positions must be contiguous
-  TORCH_CHECK(keys.stride(4) == 1 && keys.stride(3) == hd && keys.stride(2) >= T * hd &&
-                  keys.stride(1) >= H * keys.stride(2) && keys.stride(0) >= B * keys.stride(1),
-              "keys [L, B, H, T_max, hd]: expected a contiguous cache or a range of its rows, got ",
-              xattn::describe(keys), " with strides ", keys.strides());
-  TORCH_CHECK(values.defined() && values.device().is_cpu() && values.scalar_type() == at::kFloat &&
-                  values.sizes().equals(keys.sizes()) && values.strides().equals(keys.strides()),
-              "values (keys' shape): expected a CPU float32 ", keys.sizes(), " tensor with keys' strides, got ",
-              xattn::describe(values));
+  xattn::check_cache(keys, values);
   xattn::check_tensor(norm_weight, at::kFloat, {L, 3, D}, "norm_weight [L, 3, D]");
   xattn::check_tensor(norm_bias, at::kFloat, {L, 3, D}, "norm_bias [L, 3, D]");
   TORCH_CHECK(static_cast<int64_t>(scalings.size()) == L, "scalings: expected one per layer (", L, "), got ",
