@@ -184,7 +184,11 @@ class Int8Linear(_Copy):
         return torch_ops.linear_int8(x, self.packed)
 
 
-_COPIES = {"packed": PackedLinear, "bf16": BF16Linear, "int8": Int8Linear}
+def _copy(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, bulk: bool = False):
+    """Format kind's copy of a weight [out, in]; bulk: one that runs on many rows at once (see Int8Linear)."""
+    if kind == "int8":
+        return Int8Linear(weight, bias, bulk=bulk)
+    return {"packed": PackedLinear, "bf16": BF16Linear}[kind](weight, bias)
 
 
 def independent_rows(kind: str) -> int | None:
@@ -212,16 +216,14 @@ def conv1d(conv: nn.Module, kind: str, bulk: bool = False):
     Int8Linear)."""
     if kind == "exact":
         return ExactConv1D(conv)  # the core's own
-    if kind == "int8":
-        return Int8Linear(conv.weight.t(), conv.bias, bulk=bulk)
-    return _COPIES[kind](conv.weight.t(), conv.bias)
+    return _copy(kind, conv.weight.t(), conv.bias, bulk)
 
 
 def linear(module: nn.Module, kind: str):
     """A projection over an nn.Linear (weight [out, in]); other modules are only run as they are."""
     if kind == "exact" or not isinstance(module, nn.Linear):
         return ExactModule(module)
-    return _COPIES[kind](module.weight, module.bias)
+    return _copy(kind, module.weight, module.bias)
 
 
 class ConvertedLinear(nn.Module):
@@ -230,9 +232,7 @@ class ConvertedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, kind: str):
         super().__init__()
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
-        # an encoder's layers: many rows per call
-        self.projection = (Int8Linear(linear.weight, linear.bias, bulk=True) if kind == "int8"
-                           else _COPIES[kind](linear.weight, linear.bias))
+        self.projection = _copy(kind, linear.weight, linear.bias, bulk=True)  # an encoder's layers: many rows a call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.projection(x)
