@@ -82,8 +82,8 @@ class FedLogits:
             monkeypatch.setattr(cls, "update", update)
         real_init = inflight._Search.__init__
 
-        def remember(search, opts, prompt):
-            real_init(search, opts, prompt)
+        def remember(search, opts, prompt, *rest):
+            real_init(search, opts, prompt, *rest)
             self.search_of[id(opts)] = search.beams if search.beams is not None else search.decoder
         monkeypatch.setattr(inflight._Search, "__init__", remember)
 

@@ -38,6 +38,9 @@ MAPPINGS = {
     "one source for all": [3, 3, 3, 3, 3],
     "beams": [0, 0, 1, 4, 2],
     "reversed": [4, 3, 2, 1, 0],
+    "chain": [0, 0, 1, 2, 3],  # each row reads the one its reader overwrites next
+    "two cycles": [1, 0, 3, 4, 2],
+    "cycle with readers": [1, 2, 0, 0, 2],  # rows outside a cycle read rows on it
 }
 
 

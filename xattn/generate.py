@@ -22,6 +22,10 @@ DecodeStep = Callable[[torch.Tensor, CrossAttentionCache], torch.Tensor]
 # (tokens [B], cache, forbidden ids [F]) -> the next greedy tokens [B]: a decode step and its argmax
 GreedyStep = Callable[[torch.Tensor, CrossAttentionCache, torch.Tensor], torch.Tensor]
 
+# (log_probs [B * beams, V], running scores [B, beams], keep) -> the keep best per input of log_probs + each beam's
+# score, as torch.topk over [B, beams * V] gives them (values, indices [B, keep]), or None to leave them to torch.topk
+BeamCandidates = Callable[[torch.Tensor, torch.Tensor, int], "tuple[torch.Tensor, torch.Tensor] | None"]
+
 _NEG = -1.0e9  # the "impossible" score transformers' beam search uses (not -inf: it stays comparable)
 
 
@@ -108,9 +112,10 @@ class BeamSearchDecoder:
     and says which rows go on with which tokens, finalize() returns the best hypotheses.
     """
 
-    def __init__(self, opts: GenerationOptions, prompt: torch.Tensor):
+    def __init__(self, opts: GenerationOptions, prompt: torch.Tensor, candidates: BeamCandidates | None = None):
         k, device = opts.num_beams, prompt.device
         self.opts, self.k, self.batch = opts, k, prompt.shape[0] // k
+        self.candidates = candidates  # a faster search for the best candidates (a decoder's), else torch's topk
         self.prompt_length = self.length = prompt.shape[1]  # length: tokens per beam so far, prompt included
         self.max_length = self.prompt_length + opts.max_new_tokens
         self.eos = torch.tensor(opts.eos_token_id, dtype=torch.long, device=device)  # [E]
@@ -144,11 +149,14 @@ class BeamSearchDecoder:
     def _candidates(self, logits: torch.Tensor):
         """The keep best one-token extensions per input: scores, flat indices, sequences and whether they stop."""
         cur, vocab = self.length, logits.shape[-1]
-        log_probs = F.log_softmax(logits.float(), dim=-1)
+        log_probs = F.log_softmax(logits.float(), dim=-1)  # a new tensor: the filters may write it in place
         for f in self.filters:
-            log_probs = f.apply(log_probs, self.running[:, :, :cur].reshape(self.batch * self.k, cur))
-        totals = log_probs.view(self.batch, self.k, vocab) + self.running_scores[:, :, None]
-        cand_scores, cand_index = top_candidates(totals, self.keep)  # [B, keep], index into [k * V]
+            log_probs = f.apply_(log_probs, self.running[:, :, :cur].reshape(self.batch * self.k, cur))
+        found = None if self.candidates is None else self.candidates(log_probs, self.running_scores, self.keep)
+        if found is None:
+            totals = log_probs.view(self.batch, self.k, vocab) + self.running_scores[:, :, None]
+            found = top_candidates(totals, self.keep)
+        cand_scores, cand_index = found  # [B, keep], index into [k * V]
         cand_seqs = torch.take_along_dim(self.running, (cand_index // vocab)[:, :, None], dim=1)
         cand_seqs[:, :, cur] = cand_index % vocab
         hits = torch.full_like(cand_scores, cur + 1 >= self.max_length, dtype=torch.bool)
@@ -223,15 +231,17 @@ def top_candidates(totals: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch
 def beam_search(
     step: DecodeStep, cache: CrossAttentionCache, prompt: torch.Tensor, logits: torch.Tensor, opts: GenerationOptions,
     reorder: Callable[[CrossAttentionCache, torch.Tensor], None] = CrossAttentionCache.reorder,
+    candidates: BeamCandidates | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Beam search with transformers' scoring, stopping and tie-breaking.
 
     prompt: [B * beams, P] (each input's beams consecutive); logits: [B * beams, V] from the prefill.
     The cache's cross K/V stay one copy per input; only self-attention K/V are reordered, by
-    reorder(cache, source_rows) (a decoder's own: GPT2CrossAttentionDecoder.reorder).
+    reorder(cache, source_rows) (a decoder's own: GPT2CrossAttentionDecoder.reorder). candidates: a decoder's
+    search for each step's best candidates (DecoderSteps.beam_candidates), else torch's topk.
     Returns (sequences [B * num_return_sequences, P + L], scores [B * num_return_sequences]).
     """
-    beams = BeamSearchDecoder(opts, prompt)
+    beams = BeamSearchDecoder(opts, prompt, candidates)
     while (chosen := beams.update(logits)) is not None:
         source_rows, tokens = chosen
         reorder(cache, source_rows)

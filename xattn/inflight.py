@@ -31,7 +31,7 @@ import torch
 
 from .cache import CrossAttentionCache
 from .decoder import GPT2CrossAttentionDecoder
-from .generate import BeamSearchDecoder, GenerationOptions, GreedyDecoder, SamplingDecoder
+from .generate import BeamCandidates, BeamSearchDecoder, GenerationOptions, GreedyDecoder, SamplingDecoder
 from .logprobs import ChosenLogprobs
 
 # inputs of one encoder call (Request.encoder_input of requests with equal encoder_key) ->
@@ -76,10 +76,11 @@ class _Search:
     """generate's search for one request (its k rows): update(logits [k, V]) -> (source rows [k] or None, next
     tokens [k]), or None when it is over; result() -> (sequences, scores)."""
 
-    def __init__(self, opts: GenerationOptions, prompt: torch.Tensor):  # prompt [k, P]
+    def __init__(self, opts: GenerationOptions, prompt: torch.Tensor,  # prompt [k, P]
+                 candidates: BeamCandidates | None = None):
         self.prompt_length, self.max_new = prompt.shape[1], opts.max_new_tokens
         if opts.num_beams > 1:
-            self.beams = BeamSearchDecoder(opts, prompt)
+            self.beams = BeamSearchDecoder(opts, prompt, candidates)
             return
         self.beams, self.steps = None, 0
         self.decoder = (SamplingDecoder if opts.do_sample else GreedyDecoder)(
@@ -248,7 +249,8 @@ class Scheduler:
         for run, logits in zip(group, first_logits):
             rows = run.stop - run.start
             prompt = run.handle.request.prompt[None].repeat_interleave(rows, dim=0)
-            run.search = _Search(run.handle.request.options, prompt)  # [rows, P], as generate expands it
+            # prompt [rows, P], as generate expands it
+            run.search = _Search(run.handle.request.options, prompt, self.decoder.steps.beam_candidates)
             self.running.append(run)
             if self._update(run, logits.repeat_interleave(rows, dim=0)):
                 finished.append(run.handle)

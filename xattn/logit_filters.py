@@ -22,6 +22,10 @@ class LogitFilter:
     def apply(self, scores: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_(self, scores: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        """apply(), free to write scores in place: for a caller that owns them (beam search's log-probabilities)."""
+        return self.apply(scores, sequences)
+
 
 @dataclass
 class RepetitionPenalty(LogitFilter):
@@ -50,6 +54,10 @@ class MinNewTokens(LogitFilter):
     def apply(self, scores: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
         ids = self.forbidden(sequences.shape[-1] - self.prompt_length)
         return scores.index_fill(1, ids, -math.inf) if ids.numel() else scores
+
+    def apply_(self, scores: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        ids = self.forbidden(sequences.shape[-1] - self.prompt_length)
+        return scores.index_fill_(1, ids, -math.inf) if ids.numel() else scores
 
 
 @dataclass

@@ -59,6 +59,9 @@ class DecoderSteps:
     cross_kv_dtype: Callable[[torch.Tensor], torch.dtype | None] | None = field(default=None, repr=False)
     # beam search's reorder of the cache's self K/V in one call (xattn.fast's kernel; None: torch's index ops)
     reorder_rows: RowCopy | None = field(default=None, repr=False)
+    # beam search's best candidates per step in one call, torch.topk's exactly (xattn.fast's kernel; None, or None
+    # returned: torch's topk): generate.BeamCandidates
+    beam_candidates: Callable | None = field(default=None, repr=False)
 
 
 class ExactConv1D:

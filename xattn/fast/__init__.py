@@ -75,6 +75,7 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
         greedy_head=None if decoder.output_fn is not None else GreedyHead.build(lm_head),
         independent_rows=formats.independent_rows(weights),
         reorder_rows=kernels.reorder_rows if kernels.available() else None,
+        beam_candidates=kernels.beam_candidates if kernels.available() else None,
     )
     steps.rowwise = _rowwise(steps)
     return steps

@@ -118,7 +118,8 @@ class XattnModel:
         scores = None
         if plan.opts.num_beams > 1:
             sequences, scores = beam_search(self._decode_step, plan.cache, plan.prompt, plan.logits, plan.opts,
-                                            reorder=self.decoder.reorder)
+                                            reorder=self.decoder.reorder,
+                                            candidates=self.decoder.steps.beam_candidates)
         else:
             logprobs = ChosenLogprobs(plan.sequences.shape[0], plan.opts.max_new_tokens, plan.sequences.device) \
                 if return_dict_in_generate else None

@@ -169,7 +169,7 @@ class PrefixConditionedGPT2:
 
         prompt = self._prompt(hidden.shape[0], start_token, hidden.device)
         sequences, _ = beam_search(step, cache, prompt, self.head(self._latent(hidden)), opts,
-                                   reorder=decoder.reorder)
+                                   reorder=decoder.reorder, candidates=decoder.steps.beam_candidates)
         sequences = sequences[:, prompt.shape[1]:]
         # the beams were reordered on the way: their latents come from one teacher-forced pass over the winners
         rows = opts.num_return_sequences

@@ -1,5 +1,5 @@
 """xattn's own CPU kernels (products.h, rowwise.h, checks.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp,
-cache_rows.cpp), compiled on first use with the system's g++ against torch's headers.
+cache_rows.cpp, beam_candidates.cpp), compiled on first use with the system's g++ against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
 `matvec_rows(x, weight, bias=None)`: the same product reading an fp32 weight [N, K] as it is (no copy).
@@ -8,7 +8,8 @@ per row inside.
 `decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
 argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). `encoder_layers(...)`: a
 batch through every ViT layer (see encoder.cpp). `reorder_rows(...)`: a beam step's reorder of the cache's self K/V
-in one call (see cache_rows.cpp). Every op checks each tensor it is given (checks.h) and refuses a wrong one with a
+in one call (see cache_rows.cpp). `beam_candidates(...)`: a beam step's best candidates, torch.topk's exactly or
+None (see beam_candidates.cpp). Every op checks each tensor it is given (checks.h) and refuses a wrong one with a
 RuntimeError naming it.
 
 The build lands in ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the sources and the torch version, so later processes
@@ -37,7 +38,8 @@ import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name)
-            for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp", "cache_rows.cpp")]
+            for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp", "cache_rows.cpp",
+                                   "beam_candidates.cpp")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h", "checks.h")]
 _state: dict = {}
 
@@ -136,6 +138,17 @@ def reorder_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
     """Row i of keys/values [L, B, H, T_max, hd] takes row index[i]'s positions [0, valid), in place (beam search's
     reorder; any mapping, each source read as it was before the call)."""
     torch.ops.xattn_kernels.reorder_rows(keys, values, index, valid)
+
+
+def beam_candidates(log_probs: torch.Tensor, scores: torch.Tensor, keep: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """torch.topk((log_probs [B * beams, V] + scores [B, beams] per row).view(B, beams * V), keep): values and
+    indices [B, keep], exactly torch's; None where equal values or a NaN leave the choice to torch.topk, or where
+    keep + 1 > V."""
+    if keep + 1 > log_probs.shape[-1]:
+        return None
+    values, index = torch.ops.xattn_kernels.beam_candidates(log_probs.contiguous(), scores.contiguous(), keep)
+    return (values, index) if values.shape[1] == keep else None
 
 
 def greedy_tokens(x, weight, bias, screen, scale, bounds, forbidden) -> torch.Tensor:

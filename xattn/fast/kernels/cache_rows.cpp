@@ -2,20 +2,50 @@
 //
 // After each beam step, row i of the cache takes the keys and values of row index[i] (the beam it extends). torch's
 // index ops do that as a gather and a copy back per layer and tensor (~50 ops a step, each copying every row). Here
-// each (layer, row, head)'s valid positions are one memcpy, only rows whose source is another row are written, and a
-// source that is itself written is read into a scratch buffer first, so that any mapping (swaps and cycles included)
-// copies the contents from before the call.
+// each (layer, row, head)'s valid positions are one memcpy, and only rows whose source is another row are written, in
+// an order that writes a row after the rows that read it (a chain 0 -> 1 -> 2 as 2, then 1). A cycle (a swap) has no
+// such order: one of its rows is read into a scratch buffer first. So any mapping copies the contents from before the
+// call, with one extra copy per cycle.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "checks.h"
 
 namespace {
+
+// The moved rows in an order that writes each after every moved row reading it; where only cycles are left, one of
+// them gets a scratch slot (its readers read it there) and goes next.
+std::vector<int64_t> write_order(const int64_t* source, const std::vector<int64_t>& moved,
+                                 std::vector<int64_t>& slot) {
+  const auto is_moved = [&](int64_t b) { return source[b] != b; };
+  std::vector<int64_t> readers(slot.size(), 0), ready, order;  // readers: moved rows not yet written that read b
+  for (const int64_t b : moved)
+    if (is_moved(source[b])) ++readers[source[b]];
+  for (const int64_t b : moved)
+    if (readers[b] == 0) ready.push_back(b);
+  std::vector<char> written(slot.size(), 0);
+  int64_t saved = 0;
+  for (size_t next = 0; order.size() < moved.size();) {
+    if (ready.empty()) {  // every row left is on a cycle
+      while (written[moved[next]]) ++next;
+      slot[moved[next]] = saved++;
+      ready.push_back(moved[next]);
+    }
+    const int64_t b = ready.back();
+    ready.pop_back();
+    order.push_back(b);
+    written[b] = 1;
+    const int64_t from = source[b];
+    if (is_moved(from) && slot[from] < 0 && --readers[from] == 0) ready.push_back(from);
+  }
+  return order;
+}
 
 // keys/values [L, B, H, T_max, hd] (any dtype; a cache or a range of its rows: positions contiguous, the rest
 // strided); index [B] int64, each in [0, B); valid: the positions [0, valid) to move.
@@ -38,10 +68,9 @@ void reorder_rows(const at::Tensor& keys, const at::Tensor& values, const at::Te
     if (source[b] != b) moved.push_back(b);
   }
   if (moved.empty() || valid == 0 || hd == 0) return;
-  std::vector<int64_t> slot(B, -1);  // a written row's place in the scratch buffer, where another row reads it
-  int64_t saved = 0;
-  for (const int64_t b : moved)
-    if (source[source[b]] != source[b] && slot[source[b]] < 0) slot[source[b]] = saved++;
+  std::vector<int64_t> slot(B, -1);  // a cycle's row's place in the scratch buffer, where its reader reads it
+  const std::vector<int64_t> order = write_order(source, moved, slot);
+  const int64_t saved = std::count_if(slot.begin(), slot.end(), [](int64_t s) { return s >= 0; });
 
   const int64_t bytes = keys.element_size(), block = valid * hd * bytes;  // one (layer, row, head)'s positions
   const int64_t sL = keys.stride(0) * bytes, sB = keys.stride(1) * bytes, sH = keys.stride(2) * bytes;
@@ -54,7 +83,7 @@ void reorder_rows(const at::Tensor& keys, const at::Tensor& values, const at::Te
         if (slot[b] >= 0)
           for (int64_t h = 0; h < H; ++h)
             std::memcpy(scratch.data() + (slot[b] * H + h) * block, layer + b * sB + h * sH, block);
-      for (const int64_t b : moved) {
+      for (const int64_t b : order) {
         const int64_t from = source[b];
         for (int64_t h = 0; h < H; ++h) {
           const char* read =
