@@ -114,3 +114,23 @@ def test_end_to_end_stages_time_each_part_and_leave_the_steps_as_the_rest():
     table = stages_table([EndToEnd("transformers", 12, 4, 5.0, 2.4),
                           EndToEnd("xattn int8", 12, 4, 5.0, 2.4, stages_s=measured)])
     assert "xattn int8" in table and "transformers" not in table.splitlines()[1]
+
+
+def test_rounds_time_the_probes_in_every_round_between_the_engines():
+    from xattn.bench.decode import _rounds
+
+    events = []
+
+    def engine(n):
+        events.append(("engine", n))
+        return torch.zeros(1, n), n
+
+    def probe():
+        events.append(("probe",))
+
+    measured, probes = _rounds("B=1 greedy", {"xattn int8": engine}, 2, 5, 3, 0.0, {"int8 floor probe": [probe]})
+    m, out = measured["xattn int8"]
+    assert math.isfinite(m.ms_per_step) and out.shape == (1, 5)
+    assert set(probes) == {"int8 floor probe"} and 0 < probes["int8 floor probe"] < float("inf")
+    rounds = events[2:]  # after the warm-up's short and long runs: per round the engine twice, then the probe 3x
+    assert rounds == [("engine", 2), ("engine", 5), ("probe",), ("probe",), ("probe",)] * 3
