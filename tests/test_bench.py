@@ -128,9 +128,42 @@ def test_rounds_time_the_probes_in_every_round_between_the_engines():
     def probe():
         events.append(("probe",))
 
-    measured, probes = _rounds("B=1 greedy", {"xattn int8": engine}, 2, 5, 3, 0.0, {"int8 floor probe": [probe]})
+    measured, probes = _rounds("B=1 greedy", {"xattn int8": engine}, 2, 6, 3, 0.0, {"int8 floor probe": [probe]})
     m, out = measured["xattn int8"]
-    assert math.isfinite(m.ms_per_step) and out.shape == (1, 5)
+    assert math.isfinite(m.ms_per_step) and out.shape == (1, 6)
     assert set(probes) == {"int8 floor probe"} and 0 < probes["int8 floor probe"] < float("inf")
-    rounds = events[2:]  # after the warm-up's short and long runs: per round the engine twice, then the probe 3x
-    assert rounds == [("engine", 2), ("engine", 5), ("probe",), ("probe",), ("probe",)] * 3
+    rounds = events[2:]  # after the warm-up's short and long runs: per round the engine twice, then the probe
+    assert rounds == [("engine", 2), ("engine", 6)] + [("probe",)] * 4 + [("engine", 2), ("engine", 6)] + \
+        [("probe",)] * 4 + [("engine", 2), ("engine", 6)] + [("probe",)] * 4  # as many passes as the slope spans
+
+
+def test_paired_ratio_sets_each_step_against_the_probe_pass_just_before_it(monkeypatch):
+    """A fake clock: each probe pass takes 2 units, step i of a call 3 + i, the search's bookkeeping 1 after each."""
+    from xattn.bench import paired
+
+    clock = [0.0]
+    monkeypatch.setattr(paired.time, "perf_counter", lambda: clock[0])
+
+    class Engine:
+        def __init__(self):
+            self._decode_step, self._greedy_step = self.step, None
+            self.taken = []
+
+        def step(self, i):
+            clock[0] += 3 + i
+            self.taken.append(i)
+
+        def generate(self):
+            for i in range(4):  # four steps, each followed by bookkeeping
+                self._decode_step(i)
+                clock[0] += 1
+
+    def probe():
+        clock[0] += 2
+
+    engine = Engine()
+    measured = paired.paired_ratio(engine, engine.generate, probe, calls=2)
+    # per call, three whole intervals (steps 0, 1, 2 with their bookkeeping: 4, 5, 6 units); step 3's ends in return
+    assert measured.steps == 6 and engine.taken == [0, 1, 2, 3] * 2
+    assert measured.step_ms == 5000 and measured.probe_ms == 2000 and measured.ratio == 2.5
+    assert engine._decode_step == engine.step and engine._greedy_step is None  # the engine's own steps restored

@@ -42,6 +42,7 @@ class Measurement:
     agreement_with_fp32: float | None = None  # bf16/int8: share of generated tokens equal to xattn fp32's
     compile_s: float | None = None  # compiled engines: the first call's time (tracing + compiling + running)
     error: str | None = None  # why an engine could not run this row
+    paired_floor_ratio: float | None = None  # PAIRED: the median step / probe ratio over pairs (bench/paired.py)
 
 
 def vit_gpt2_small(seed: int = 0, decoder_layers: int = 12):
@@ -119,6 +120,7 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
     engines = _engines(model, compiled)
     ct2_models = _ct2_models(threads) if ctranslate2 and ct2.available() else {}
     decoder = xattn.from_hf(model).decoder
+    paired_engine = xattn.from_hf(model).with_weights("int8")  # timed apart, its steps paired with the int8 probe
     results = []
     with torch.inference_mode():
         for row in rows:
@@ -130,7 +132,8 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
                 encoded = decoder_ct2.encode(batch)
                 # its max_length is not a token count: ask for twice as many and count what comes back
                 calls[name] = lambda n, d=decoder_ct2, e=encoded, b=batch, k=beams: (None, d.generate(e, b, k, 2 * n))
-            # the probes run in the same rounds as the engines, so that the ratios to them compare one moment
+            # the probes run in the same rounds as the engines, over as many passes as their slopes span steps, so
+            # that a ratio to a probe compares like windows of one stretch of the machine
             probes = {"floor probe": floor_streams(decoder, batch * beams)}
             if any("int8" in name for name in engines):
                 probes["int8 floor probe"] = [int8_floor_stream(decoder)]
@@ -142,12 +145,30 @@ def run(rows=tuple(ROWS), short: int = 8, long: int = 24, repeats: int = 2, comp
             for name, ms in probe_ms.items():
                 results.append(Measurement(row, name, ms, float("nan"), None))
                 _report(progress, results[-1])
+            if "int8 floor probe" in probes:
+                results.append(_paired_int8(paired_engine, states, beams, long, repeats, probes["int8 floor probe"][0],
+                                            row))
+                _report(progress, results[-1])
     return results
+
+
+PAIRED = "xattn int8 paired"  # the int8 step with the int8 floor probe run before each of its steps
+
+
+def _paired_int8(engine, states, beams, n, calls, probe, row) -> Measurement:
+    from .paired import paired_ratio
+
+    def generate():
+        engine.generate(encoder_hidden_states=states, max_new_tokens=n, min_new_tokens=n, num_beams=beams)
+
+    measured = paired_ratio(engine, generate, probe, calls)
+    return Measurement(row, PAIRED, measured.step_ms, float("nan"), None, paired_floor_ratio=measured.ratio)
 
 
 def _rounds(row, calls, short, long, repeats, encoder_s, probes: dict | None = None) -> tuple[dict, dict]:
     """(name -> (Measurement, the long run's sequences or None), probe name -> its best ms): each round runs every
-    engine short and long, then every probe's streams (3 times each); a probe's time is its fastest stream's best."""
+    engine short and long, then every probe's streams, each long - short passes in a row (the steps an engine's
+    slope spans) timed as one; a probe's ms per pass is its fastest stream's best round."""
     probes = probes or {}
     probe_best = {name: float("inf") for name in probes}
     first, failed = {}, {}
@@ -172,8 +193,11 @@ def _rounds(row, calls, short, long, repeats, encoder_s, probes: dict | None = N
                 if n == long:
                     outputs[name] = out
         for name, streams in probes.items():
-            for stream in streams:
-                probe_best[name] = min(probe_best[name], best_of(stream, 3)[0] * 1000)
+            for stream in streams:  # as many passes as the slope spans steps: one window of time, as the engines'
+                start = time.perf_counter()
+                for _ in range(long - short):
+                    stream()
+                probe_best[name] = min(probe_best[name], (time.perf_counter() - start) / (long - short) * 1000)
     measured = {}
     for name in calls:
         if name in failed:
@@ -335,8 +359,9 @@ def table(results: list[Measurement]) -> str:
         if m.compile_s is not None:
             tokens += f" (first call {m.compile_s:.0f} s)"
         end_to_end = "-" if m.end_to_end_ms != m.end_to_end_ms else f"{m.end_to_end_ms:.0f}"  # NaN: no run
+        to_floor = _ratio(m.ms_per_step, floor) if m.paired_floor_ratio is None else f"{m.paired_floor_ratio:.2f}"
         lines.append(f"{m.row:12s} {m.engine:20s} {m.ms_per_step:8.1f} {_ratio(m.ms_per_step, base):>9s} "
-                     f"{_ratio(m.ms_per_step, floor):>8s} {_ratio(m.ms_per_step, ct2):>6s} {end_to_end:>7s}  {tokens}")
+                     f"{to_floor:>8s} {_ratio(m.ms_per_step, ct2):>6s} {end_to_end:>7s}  {tokens}")
     return "\n".join(lines)
 
 
