@@ -170,3 +170,11 @@ def int8_kernel(request):
         pytest.skip("this CPU has no AVX-512 VNNI (or XATTN_INT8_KERNEL=avx2)")
     with kernels.using_int8_kernel(request.param):
         yield request.param
+
+
+def fast_engine_and_pixels(weights: str):
+    """A tiny captioner in a fast weight format and two 32 px images: what the kernel-hook tests decode."""
+    import xattn
+
+    engine = xattn.from_hf(tiny_captioner(seed=43), weights=weights)
+    return engine, torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))

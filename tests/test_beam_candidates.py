@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-import xattn
-from conftest import tiny_captioner
+from conftest import fast_engine_and_pixels
 from xattn.fast import kernels
 from xattn.generate import BeamSearchDecoder, GenerationOptions
 from xattn.logit_filters import MinNewTokens
@@ -127,9 +126,7 @@ def test_beam_search_decoder_with_the_kernel_follows_the_same_beams_step_by_step
 @pytest.mark.parametrize("weights", ["packed", "int8"])
 def test_beam_search_in_a_fast_format_takes_its_candidates_from_the_kernel_with_the_same_tokens(weights,
                                                                                                monkeypatch):
-    model = tiny_captioner(seed=43)
-    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
-    engine = xattn.from_hf(model, weights=weights)
+    engine, pixels = fast_engine_and_pixels(weights)
     steps = engine.decoder.steps
     answered = []
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import soundfile
 from PIL import Image
-
 from test_hostile_input import _one_line  # tests/ is on sys.path (pytest puts it there)
+
 from xattn.cli import main
 from xattn.tasks.audio import load_audio, to_mono
 from xattn.tasks.vision import load_image

@@ -5,8 +5,7 @@ is written; and beam search through the fast formats runs it and gives the token
 import pytest
 import torch
 
-import xattn
-from conftest import tiny_captioner
+from conftest import fast_engine_and_pixels
 from xattn.cache import CrossAttentionCache
 from xattn.fast import kernels
 
@@ -111,9 +110,7 @@ def test_keys_and_values_of_one_storage_are_refused():
 
 @pytest.mark.parametrize("weights", ["packed", "int8"])
 def test_beam_search_in_a_fast_format_reorders_through_the_kernel_with_the_same_tokens(weights, monkeypatch):
-    model = tiny_captioner(seed=43)
-    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
-    engine = xattn.from_hf(model, weights=weights)
+    engine, pixels = fast_engine_and_pixels(weights)
     steps = engine.decoder.steps
     calls = []
 

@@ -177,8 +177,8 @@ def test_refusals_are_in_metrics_and_a_non_ascii_key_is_refused_at_start():
             for _ in range(2):
                 yield os.urandom(2**20)
 
-        big = client.post("/v1/caption", content=chunks(), headers={"Authorization": "Bearer k3y",
-                                                                      "content-type": "multipart/form-data; boundary=x"})
+        headers = {"Authorization": "Bearer k3y", "content-type": "multipart/form-data; boundary=x"}
+        big = client.post("/v1/caption", content=chunks(), headers=headers)
         _refused(big, 413, "the request body is over 1 MB")
         text = client.get("/metrics").text
     assert 'xattn_requests_total{endpoint="/v1/caption",status="401"} 1.0' in text

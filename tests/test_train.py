@@ -1,9 +1,8 @@
 """Fine-tuning: gradient checkpointing changes no gradient; a killed run resumes to the same weights."""
 
-import torch
-
 import numpy as np
 import pytest
+import torch
 import transformers
 from transformers.models.vision_encoder_decoder.modeling_vision_encoder_decoder import shift_tokens_right
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import xattn
-from xattn.fast.limits import LIMITS
 from conftest import tiny_captioner
 from xattn.fast import accelerate
 from xattn.fast.formats import KINDS, ConvertedLinear, convert_linears
+from xattn.fast.limits import LIMITS
 
 
 def _logits(engine, states, ids):

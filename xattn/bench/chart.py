@@ -14,7 +14,8 @@ def draw(decode: list, end_to_end: list | None, path: str, title: str = "") -> N
     from ..files import save_figure
 
     rows = list(dict.fromkeys(m.row for m in decode))
-    floors = {"floor probe": ("fp32 weights read once", "dashed"), "int8 floor probe": ("int8 weights read once", "dotted")}
+    floors = {"floor probe": ("fp32 weights read once", "dashed"),
+              "int8 floor probe": ("int8 weights read once", "dotted")}
     engines = [e for e in dict.fromkeys(m.engine for m in decode) if e not in floors]
     value = {(m.row, m.engine): m.ms_per_step for m in decode if not m.error}
     panels = 2 if end_to_end else 1

@@ -30,9 +30,9 @@ from .runners import (
     CaptionRequests,
     SpeechItem,
     Uploads,
+    attention_map_png,
     caption_batch,
     pcm16,
-    attention_map_png,
     speech_batch,
     transcribe_batch,
     wav_header,
@@ -271,8 +271,8 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
         from ..tasks.speech_synthesis import check_text
 
         if body.response_format not in ("wav", "pcm"):
-            raise ApiError(422, f"response_format: {shown(body.response_format)} is not supported; use wav or pcm (16-bit "
-                           f"mono at {SAMPLE_RATE} Hz)")
+            raise ApiError(422, f"response_format: {shown(body.response_format)} is not supported; use wav or pcm "
+                           f"(16-bit mono at {SAMPLE_RATE} Hz)")
         if body.speed != 1.0:
             raise ApiError(422, "speed: this speaker speaks at one speed; leave it at 1.0")
         try:
