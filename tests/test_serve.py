@@ -256,6 +256,18 @@ def test_bearer_token():
         assert "HTTPBearer" in json.dumps(client.get("/openapi.json").json()["components"])
 
 
+def test_the_loaded_models_objects_are_frozen_out_of_the_collector_while_the_app_runs():
+    """gc.freeze() at startup: a full collection then walks only what requests make, not every module object."""
+    import gc
+
+    app = create_app(Settings(recognizer="none", speaker="none"))
+    with TestClient(app) as client:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # transformers' and the captioner's objects
+        assert client.post("/v1/caption", files=_sample(IMAGES[0])).status_code == 200
+    assert gc.get_freeze_count() == 0  # shutdown gives them back
+
+
 # ---- service ------------------------------------------------------------------------------------------------------
 def test_openapi_lists_the_clis_generation_options(client):
     spec = client.get("/openapi.json").json()

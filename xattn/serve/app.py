@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +114,10 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # the models' Python objects (hundreds of thousands with transformers' modules) moved out of the collector's
+        # reach: otherwise each full collection walks them all while every decoding request waits
+        gc.collect()
+        gc.freeze()
         runs = {"caption": (models.captioner, caption_batch), "transcribe": (models.transcriber, transcribe_batch),
                 "speech": (models.speaker, speech_batch)}
         for task, (model, batch) in runs.items():
@@ -131,6 +136,7 @@ def create_app(settings: Settings | None = None, *, captioner=None, transcriber=
                 await batcher.stop()
             loading.shutdown(wait=False, cancel_futures=True)
             uploads.close()
+            gc.unfreeze()  # an app made again in this process (tests) freezes its own
 
     app = FastAPI(title="xattn", version=__version__, lifespan=lifespan,
                   description="Captioning, transcription and speech with xattn's GPT-2 cross-attention decoders. "
