@@ -100,17 +100,29 @@ def test_chart_draws_decode_rows_and_end_to_end(tmp_path):
     assert e2e_table(e2e).splitlines()[2].split()[-3:] == ["2.00", "-", "-"]
 
 
-def test_end_to_end_stages_time_each_part_and_leave_the_steps_as_the_rest():
+def test_end_to_end_stages_time_each_part_directly(monkeypatch):
+    from xattn.bench import end_to_end
     from xattn.bench.end_to_end import STAGES, EndToEnd, stages, stages_table
 
     engine = xattn.from_hf(tiny_captioner(seed=12)).with_weights("int8")
     pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(12))
-    measured = stages(engine, pixels, batches=3, total_s=5.0)
-    assert list(measured) == [s for s in STAGES if s != "steps"] + ["steps"]
-    assert all(math.isfinite(v) and v >= 0 for name, v in measured.items() if name != "prefill")
+    extra = [0.0]  # the clock runs 0.25 s fast at each decode step
+    real_clock, real_step = end_to_end.time.perf_counter, engine._greedy_step or engine._decode_step
+
+    def slow_step(*args):
+        extra[0] += 0.25
+        return real_step(*args)
+
+    monkeypatch.setattr(engine, "_greedy_step" if engine._greedy_step else "_decode_step", slow_step)
+    monkeypatch.setattr(end_to_end.time, "perf_counter", lambda: real_clock() + extra[0])
+    measured = stages(engine, pixels, batches=3, new_tokens=5)
+    assert list(measured) == list(STAGES)
+    assert all(math.isfinite(v) and v >= 0 for v in measured.values())
     assert measured["decode images"] > 0 and measured["processor"] > 0  # the shipped samples were read
-    # three batches: each stage timed once and multiplied; the steps are what the total leaves
-    assert measured["steps"] == pytest.approx(5.0 - measured["encoder"] - measured["cross K/V"] - measured["prefill"])
+    # five tokens: the prefill's logits give the first, four steps the rest; three batches, each stage x 3
+    assert 3 * 4 * 0.25 <= measured["steps"] < 3 * 4 * 0.25 + 0.3
+    assert measured["encoder"] < 0.25 and measured["prefill"] < 0.25  # no step ran inside their clocks
+    assert engine._greedy_step is slow_step or engine._decode_step is slow_step  # the engine's own steps restored
     table = stages_table([EndToEnd("transformers", 12, 4, 5.0, 2.4),
                           EndToEnd("xattn int8", 12, 4, 5.0, 2.4, stages_s=measured)])
     assert "xattn int8" in table and "transformers" not in table.splitlines()[1]
