@@ -197,3 +197,22 @@ def test_compiled_int8_step_equals_the_eager_step(fused_calls, int8_kernel):
         assert torch.allclose(compiled(ids, caches[1]), decoder.decode_step(ids, caches[0]), atol=1e-5)
     assert torch.allclose(caches[0].keys, caches[1].keys, atol=1e-6)
     assert fused_calls.count(8) == 8  # eager and compiled steps both ran the fused kernel
+
+
+@pytest.mark.parametrize("weights", ["packed", "int8"])
+def test_a_one_token_prefill_is_the_fused_step_and_longer_prompts_are_not(weights, fused_calls):
+    """A captioner's start token goes through the fused step (each weight read once), with the K/V and logits the
+    blocks give; a longer prompt, or one asked for every position's logits, runs through the blocks."""
+    decoder = xattn.from_hf(tiny_captioner(seed=69), weights=weights).decoder
+    states = torch.randn(3, 17, 32, generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(3, 99, (3, 1), generator=torch.Generator().manual_seed(7))
+    fused, blocks = decoder.new_cache(3, 8, states), decoder.new_cache(3, 8, states)
+    one = decoder.prefill(fused, input_ids=ids)
+    assert len(fused_calls) == 1 and fused.length == 1
+    every = decoder.prefill(blocks, input_ids=ids, all_logits=True)
+    assert len(fused_calls) == 1 and blocks.length == 1 and every.shape == (3, 1, one.shape[-1])
+    tolerance = 1e-4 if weights == "packed" else 0.05  # int8: the blocks quantize their rows in other groups
+    torch.testing.assert_close(one, every[:, 0], rtol=tolerance, atol=tolerance * one.abs().max().item())
+    torch.testing.assert_close(fused.keys[:, :, :, :1], blocks.keys[:, :, :, :1], rtol=tolerance, atol=tolerance)
+    decoder.prefill(decoder.new_cache(3, 8, states), input_ids=ids.repeat(1, 2))
+    assert len(fused_calls) == 1  # two tokens: the blocks

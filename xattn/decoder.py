@@ -151,19 +151,17 @@ class GPT2CrossAttentionDecoder(nn.Module):
         return hidden if self.steps.lm_head is None else self.steps.lm_head(hidden)
 
     @torch.no_grad()
-    def prefill(
-        self,
-        cache: CrossAttentionCache,
-        input_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        all_logits: bool = False,
-    ) -> torch.Tensor:
+    def prefill(self, cache: CrossAttentionCache, input_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, all_logits: bool = False) -> torch.Tensor:
         """Run a prompt ([B, T] ids, or [B, T, D] embeddings to which wpe is added as transformers does)
         from cache.length on; returns the last position's logits [B, V] (all [B, T, V] with all_logits)."""
         start = cache.length
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         if start + length > cache.max_length:
             raise ValueError(f"prompt of {length} tokens does not fit the cache ({cache.max_length - start} free)")
+        if length == 1 and input_ids is not None and not all_logits and cache.row_positions is None and \
+                self.fused is not None and self.fused.applies(len(input_ids), cache):
+            return self.decode_step(input_ids[:, 0], cache)  # one token is a step: the fused one reads weights once
         positions = torch.arange(start, start + length, device=self.device)
         if inputs_embeds is not None:
             hidden = inputs_embeds + self.transformer.wpe(positions) if self.embed_fn is None else inputs_embeds
