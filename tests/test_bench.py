@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 import torch
 
 import xattn

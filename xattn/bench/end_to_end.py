@@ -115,8 +115,9 @@ def stages(engine, pixels: torch.Tensor, batches: int, new_tokens: int) -> dict:
 
 def _steps_seconds(engine, states: torch.Tensor, new_tokens: int) -> float:
     """One generate call's time from its first decode step (greedy or not) to its return."""
+    from .paired import wrapped_steps
+
     first = []
-    real = engine._decode_step, engine._greedy_step
 
     def marked(step):
         def run(*args):
@@ -125,13 +126,9 @@ def _steps_seconds(engine, states: torch.Tensor, new_tokens: int) -> float:
             return step(*args)
         return run
 
-    engine._decode_step = marked(real[0])
-    engine._greedy_step = None if real[1] is None else marked(real[1])
-    try:
+    with wrapped_steps(engine, marked):
         engine.generate(encoder_hidden_states=states, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         return time.perf_counter() - first[0]
-    finally:
-        engine._decode_step, engine._greedy_step = real
 
 
 def stages_table(results: list[EndToEnd]) -> str:

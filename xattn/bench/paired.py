@@ -8,9 +8,10 @@ of many pairs' ratios is what the step costs over the floor at whatever bandwidt
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -39,17 +40,25 @@ def paired_ratio(engine, generate: Callable[[], object], probe: Callable[[], Non
             return step(*args)
         return run
 
-    real = engine._decode_step, engine._greedy_step
-    engine._decode_step = paired(real[0])
-    engine._greedy_step = None if real[1] is None else paired(real[1])
-    try:
+    with wrapped_steps(engine, paired):
         for _ in range(calls):
             generate()
             probes.pop()  # the last step's interval ends in the call's return: not a step
             marks.clear()
-    finally:
-        engine._decode_step, engine._greedy_step = real
     if not steps:
         raise ValueError("paired_ratio needs generate calls of at least two decode steps")
     return Paired(len(steps), statistics.median(steps) * 1000, statistics.median(probes) * 1000,
                   statistics.median(s / p for s, p in zip(steps, probes)))
+
+
+@contextlib.contextmanager
+def wrapped_steps(engine, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Inside the block, an XattnModel's decode steps (the greedy one too, where it has one) are wrap(step); after
+    it, its own again."""
+    real = engine._decode_step, engine._greedy_step
+    engine._decode_step = wrap(real[0])
+    engine._greedy_step = None if real[1] is None else wrap(real[1])
+    try:
+        yield
+    finally:
+        engine._decode_step, engine._greedy_step = real
