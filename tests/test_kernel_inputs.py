@@ -322,6 +322,35 @@ ENCODER_CASES = [  # (int8, change, message)
 ]
 
 
+def bf16_encoder_args():
+    """bfloat16 weights: two more workspace tensors, flat, for the products' bfloat16 inputs and outputs."""
+    args = encoder_args()
+    args["weights"] = [w.bfloat16() for w in args["weights"]]
+    args["workspace"] += [torch.empty(M * max(D, F_VIT), dtype=torch.bfloat16),
+                          torch.empty(M * max(3 * D, F_VIT), dtype=torch.bfloat16)]
+    return args
+
+
+BF16_ENCODER_CASES = [  # (change, message)
+    pytest.param(_replace("weights", 1, lambda: _randn(D, D)), r"weights\[1\] \(layer 0 out \[N, K\]\): expected a "
+                 r"contiguous CPU bfloat16", id="one fp32 weight among bfloat16"),
+    pytest.param(_edit("workspace", lambda w: w[:5]), r"workspace: expected 7 tensors", id="no bfloat16 workspace"),
+    pytest.param(_replace("workspace", 6, lambda: torch.empty(M * 3 * D - 1, dtype=torch.bfloat16)),
+                 r"workspace\[6\] \(bfloat16 outputs\)", id="outputs one short"),
+    pytest.param(_replace("workspace", 5, lambda: torch.empty(M * F_VIT)), r"workspace\[5\] \(bfloat16 inputs\)",
+                 id="fp32 inputs"),
+]
+
+
+@pytest.mark.parametrize("change,message", BF16_ENCODER_CASES)
+def test_bf16_encoder_layers_refuses(change, message):
+    args = bf16_encoder_args()
+    kernels.encoder_layers(**args)  # valid as built
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.encoder_layers(**args)
+
+
 @pytest.mark.parametrize("int8,change,message", ENCODER_CASES)
 def test_encoder_layers_refuses(int8, change, message):
     args = encoder_args(int8)

@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import ViTConfig, ViTModel
 
 import xattn
 from conftest import tiny_captioner
-from xattn.fast import kernels
+from xattn.fast import accelerate_encoder, kernels
 from xattn.fast.formats import ConvertedLinear, convert_linears
-from xattn.fast.vit import ViTEncoder, supports
+from xattn.fast.vit import _PROJECTIONS, ViTEncoder, _layers, _naming, supports
 
 pytestmark = pytest.mark.kernels  # skipped when the test runs, where they cannot be built (conftest.py)
 
@@ -86,15 +87,56 @@ def test_with_weights_runs_a_vit_encoder_through_the_kernel_and_leaves_others_to
     assert got.shape == want.shape and relative_error(got, want) < 0.05
     assert engine.generate(pixel_values=pixels, max_new_tokens=4).shape == (2, 5)
     bf16 = exact.with_weights("packed", encoder_weights="bf16")
-    assert any(isinstance(m, ConvertedLinear) for m in bf16.encoder.modules())
+    assert isinstance(bf16.encoder, ViTEncoder) and bf16.encoder.kind == "bf16"
+    relu = vit(hidden_act="relu")  # not the kernel's: its modules stay, with converted linears
+    assert any(isinstance(m, ConvertedLinear) for m in accelerate_encoder(relu, "bf16").modules())
 
 
 def test_unsupported_encoders_are_refused_by_name():
     relu = vit(hidden_act="relu")
-    assert not supports(relu, "int8") and supports(vit(), "int8") and not supports(vit(), "bf16")
+    assert not supports(relu, "int8") and supports(vit(), "int8") and supports(vit(), "bf16")
+    assert not supports(vit(), "exact")
     with pytest.raises(ValueError, match="ViTModel with GELU"):
         ViTEncoder(relu, "int8")
     with pytest.raises(ValueError, match="weights='exact'"):
         ViTEncoder(vit(), "exact")
     with pytest.raises(ValueError, match="pass no attention_mask"):
         ViTEncoder(vit(), "packed")(torch.randn(1, 3, 24, 24), attention_mask=torch.ones(1, 10))
+
+
+def bf16_layers(model: ViTModel, pixels: torch.Tensor) -> torch.Tensor:
+    """The bf16 kind's math written out with torch's ops: each product's input rounded to bfloat16 and its sums
+    rounded once, the qkv bias added before Q, K, V are rounded, attention over bfloat16 Q, K, V (torch's), the other
+    biases, the norms, GELU and the residual sums in fp32."""
+    def product(x, linear):
+        return F.linear(x.bfloat16(), linear.weight.bfloat16()).float() + linear.bias
+
+    hidden = model.embeddings(pixels)
+    batch, positions, width = hidden.shape
+    for layer in _layers(model):  # transformers 5.x's names or 4.x's
+        modules = dict(layer.named_modules())
+        (*qkv, out, fc1, fc2) = (modules[name] for group in _PROJECTIONS[_naming(layer)]
+                                 for name in ([group] if isinstance(group, str) else group))
+        x = layer.layernorm_before(hidden)
+        q, k, v = (product(x, m).bfloat16().view(batch, positions, -1, width // model.config.num_attention_heads)
+                   .transpose(1, 2) for m in qkv)
+        context = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, positions, width)
+        hidden = hidden + product(context, out)
+        inner = F.gelu(product(layer.layernorm_after(hidden), fc1))
+        hidden = hidden + product(inner, fc2)
+    return model.layernorm(hidden)
+
+
+def test_bf16_layers_do_the_bf16_math():
+    model = vit(seed=5)
+    pixels = torch.randn(4, 3, 24, 24, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(pixel_values=pixels).last_hidden_state
+        same_math = bf16_layers(model, pixels)
+    encoder = ViTEncoder(model, "bf16")
+    got = encoder(pixels)[0]
+    assert encoder.kind == "bf16" and all(w.dtype == torch.bfloat16 for w in encoder._weights)
+    assert not torch.equal(got, want)
+    assert relative_error(got, want) < 0.02
+    assert relative_error(got, same_math) < 0.1 * relative_error(got, want)
+    assert torch.equal(encoder(pixels)[0], got)  # the workspace kept between calls changes nothing

@@ -1,10 +1,10 @@
 """A transformers ViTModel's inference pass through xattn's kernel: every layer in one call per batch.
 
 The patch embeddings and the final layer norm stay transformers' own modules; the layers run in
-xattn_kernels::encoder_layers (kernels/encoder.cpp) with int8 (fbgemm, as weights="int8" runs them elsewhere) or fp32
-projections, their intermediate results in a workspace kept between calls: on these machines the page faults of
+xattn_kernels::encoder_layers (kernels/encoder.cpp) with int8 (fbgemm, as weights="int8" runs them elsewhere), bfloat16
+(torch's products, which oneDNN runs on AMX or AVX-512 BF16 where the CPU has them) or fp32 projections, their intermediate results in a workspace kept between calls: on these machines the page faults of
 torch's fresh output tensors cost a quarter of an int8 batch's encoder time. Outputs differ from transformers' by
-rounding (fp32) or by the int8 products' error.
+rounding (fp32), by the bfloat16 products' rounding or by the int8 products' error.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _PROJECTIONS = {
     "4": (("attention.attention.query", "attention.attention.key", "attention.attention.value"),
           "attention.output.dense", "intermediate.dense", "output.dense"),
 }
-KINDS = ("packed", "int8")
+KINDS = ("packed", "bf16", "int8")
 
 
 def supports(encoder: nn.Module, kind: str) -> bool:
@@ -59,7 +59,8 @@ class ViTEncoder(nn.Module):
         self.embeddings, self.layernorm = vit.embeddings, vit.layernorm
         layers = _layers(vit)
         qkv_names, *rest = _PROJECTIONS[_naming(layers[0])]
-        self._weights, self._biases, self._packed = [], [], []  # fp32 weights and biases, or fbgemm's int8 ones
+        # fp32 or bfloat16 weights with fp32 biases, or fbgemm's int8 ones
+        self._weights, self._biases, self._packed = [], [], []
         for layer in layers:
             modules = dict(layer.named_modules())
             qkv = [modules[name] for name in qkv_names]
@@ -70,7 +71,7 @@ class ViTEncoder(nn.Module):
                 if kind == "int8":  # one quantization per output row, so the fused qkv equals three separate ones
                     self._packed.append(prepack_int8(weight, bias)[1])
                 else:
-                    self._weights.append(weight)
+                    self._weights.append(weight.to(torch.bfloat16) if kind == "bf16" else weight)
                     self._biases.append(bias)
         norms = [(layer.layernorm_before, layer.layernorm_after) for layer in layers]
         self._norm_weight = torch.stack([torch.stack([a.weight, b.weight]) for a, b in norms]).detach().float()
@@ -96,11 +97,15 @@ class ViTEncoder(nn.Module):
         return (self.layernorm(hidden),)
 
     def _workspace_for(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        """x, qkv, ctx, tmp [M, D or 3D] and ff [M, F] for M = B * S rows, kept for the next batch of this size."""
+        """x, qkv, ctx, tmp [M, D or 3D] and ff [M, F] for M = B * S rows, kept for the next batch of this size;
+        bf16 adds the products' bfloat16 inputs and outputs, flat."""
         rows, width = hidden.shape[0] * hidden.shape[1], hidden.shape[2]
         if not self._workspace or self._workspace[0].shape[0] != rows:
             self._workspace = []  # the old one freed first
             self._workspace = [torch.empty(rows, n) for n in (width, 3 * width, width, width, self._inner)]
+            if self.kind == "bf16":
+                self._workspace += [torch.empty(rows * n, dtype=torch.bfloat16)
+                                    for n in (max(width, self._inner), max(3 * width, self._inner))]
         return self._workspace
 
     def extra_repr(self) -> str:

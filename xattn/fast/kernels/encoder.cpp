@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -123,12 +124,150 @@ void int8_mlp(const std::vector<Packed>& packed, int64_t i, const at::Tensor& x,
   }
 }
 
+// A view of the first rows * cols entries of a flat workspace tensor as a contiguous [rows, cols] matrix.
+at::Tensor matrix(const at::Tensor& flat, int64_t rows, int64_t cols) {
+  return flat.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
+// bfloat16 products: where the CPU has AMX or AVX-512 BF16, torch hands them to oneDNN, several times fbgemm's int8
+// rate. The passes between fp32 and bfloat16 around them are written here, each one sweep over rows in parallel:
+// torch's mixed-dtype add and its copies cost as much as the products themselves.
+
+// x rounded to the nearest bfloat16 (ties to even, a NaN kept a NaN), as torch's conversion rounds.
+inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>((bits >> 16) | 0x40u) : static_cast<uint16_t>(rounded);
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// 8 floats rounded as to_bf16 rounds each
+inline __m128i to_bf16x8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i half = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  half = _mm256_blendv_epi8(half, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_packus_epi32(half, half);  // [0..3, 0..3 | 4..7, 4..7] as 16 bits each
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+inline __m256 from_bf16x8(const uint16_t* h) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// y [n] bfloat16 = x [n] fp32, rounded
+inline void round_span(const float* x, int64_t n, uint16_t* y) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), to_bf16x8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) y[i] = to_bf16(x[i]);
+}
+
+uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// out [M, K] bfloat16 = in [M, K] fp32, rounded
+void round_rows(const at::Tensor& in, const at::Tensor& out) {
+  const float* x = in.data_ptr<float>();
+  uint16_t* y = bf16_data(out);
+  at::parallel_for(0, in.numel(), 4096,
+                   [&](int64_t begin, int64_t end) { round_span(x + begin, end - begin, y + begin); });
+}
+
+// out [M, N] fp32 = (or +=) in [M, N] bfloat16 + bias [N]
+void widen_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& out, Store how) {
+  const int64_t N = out.size(1);
+  const uint16_t* x = bf16_data(in);
+  const float* b = bias.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, out.size(0), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const uint16_t* xm = x + m * N;
+      float* ym = y + m * N;
+      int64_t n = 0;
+      for (; n + 8 <= N; n += 8) {
+        __m256 v = _mm256_add_ps(from_bf16x8(xm + n), _mm256_loadu_ps(b + n));
+        if (how == Store::kAdd) v = _mm256_add_ps(_mm256_loadu_ps(ym + n), v);
+        _mm256_storeu_ps(ym + n, v);
+      }
+      for (; n < N; ++n) ym[n] = (how == Store::kAdd ? ym[n] : 0.0f) + (from_bf16(xm[n]) + b[n]);
+    }
+  });
+}
+
+// out [M, N] bfloat16 = GELU(in [M, N] bfloat16 + bias [N]) (fc2's input), 8 rows at a time through fp32 rows in L2.
+void gelu_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& out) {
+  constexpr int64_t kRows = 8;
+  const int64_t M = out.size(0), N = out.size(1);
+  at::parallel_for(0, (M + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
+    // a plain tensor of this thread's: the workspace may be an inference tensor, which a worker may not update
+    at::Tensor rows = at::empty({kRows, N}, at::kFloat);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t m0 = block * kRows, count = std::min(kRows, M - m0);
+      at::Tensor part = rows.narrow(0, 0, count);
+      widen_rows(in.narrow(0, m0, count), bias, part, Store::kSet);  // in a parallel region: inline, this thread
+      at::gelu_(part);  // torch's exact (erf) GELU
+      round_span(part.data_ptr<float>(), count * N, bf16_data(out) + m0 * N);
+    }
+  });
+}
+
+// out [M, N] bfloat16 = in [M, N] bfloat16 + bias [N] (fp32), rounded once, in place where out is in
+void bias_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& out) {
+  const int64_t N = out.size(1);
+  const float* b = bias.data_ptr<float>();
+  at::parallel_for(0, out.size(0), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const uint16_t* xm = bf16_data(in) + m * N;
+      uint16_t* ym = bf16_data(out) + m * N;
+      int64_t n = 0;
+      for (; n + 8 <= N; n += 8) {
+        const __m256 v = _mm256_add_ps(from_bf16x8(xm + n), _mm256_loadu_ps(b + n));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ym + n), to_bf16x8(v));
+      }
+      for (; n < N; ++n) ym[n] = to_bf16(from_bf16(xm[n]) + b[n]);
+    }
+  });
+}
+
+// h += out(attention(qkv(x))) with bfloat16 products and torch's attention over bfloat16 Q, K, V (its flash
+// attention, fp32 sums and softmax; oneDNN's tiles where the CPU has AMX), the qkv bias added before Q, K, V are
+// rounded. inputs/outputs: the flat bfloat16 workspace; torch gives the attention's output fresh memory.
+void bf16_attention_block(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& qkv_bias,
+                          const at::Tensor& out_weight, const at::Tensor& out_bias, int64_t B, int64_t S, int64_t H,
+                          const at::Tensor& inputs, const at::Tensor& outputs, const at::Tensor& h) {
+  const int64_t M = B * S, D = h.size(1), hd = D / H;
+  at::Tensor x_bf16 = matrix(inputs, M, D), qkv = matrix(outputs, M, 3 * D);
+  round_rows(x, x_bf16);
+  at::mm_out(qkv, x_bf16, qkv_weight.t());
+  bias_rows(qkv, qkv_bias, qkv);
+  const at::Tensor heads = qkv.view({B, S, 3, H, hd});
+  const at::Tensor ctx = at::scaled_dot_product_attention(heads.select(2, 0).transpose(1, 2),
+                                                          heads.select(2, 1).transpose(1, 2),
+                                                          heads.select(2, 2).transpose(1, 2));
+  // [B, H, S, hd] as rows [M, D]: torch's output is laid out in row order already (otherwise reshape copies)
+  const at::Tensor ctx_rows = ctx.transpose(1, 2).reshape({M, D});
+  at::Tensor out = matrix(outputs, M, D);
+  at::mm_out(out, ctx_rows, out_weight.t());
+  widen_rows(out, out_bias, h, Store::kAdd);
+}
+
 // Runs hidden [B, S, D] through every layer in place. Per layer, four projections (qkv [3D, D], out [D, D],
-// fc1 [F, D], fc2 [D, F]): fbgemm's prepacked int8 ones (`packed`, biases inside), else fp32 `weights` [N, K] with
-// `biases` [N]. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace: x [M, D], qkv [M, 3D],
-// ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by fp32 weights only: int8 ones run the
-// MLP and the residual sums block by block). Every argument is checked before hidden is written, except the int8
-// products' widths, which fbgemm's packed weights tell only by their bias (checked first) or their product.
+// fc1 [F, D], fc2 [D, F]): fbgemm's prepacked int8 ones (`packed`, biases inside), else fp32 or bfloat16 `weights`
+// [N, K] with fp32 `biases` [N]. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace: x [M, D],
+// qkv [M, 3D], ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by fp32 and bfloat16 weights
+// only: int8 ones run the MLP and the residual sums block by block); bfloat16 weights add two flat bfloat16 tensors,
+// the products' inputs [M * max(D, F)] and outputs [M * max(3D, F)]: norms, attention, biases and GELU stay fp32,
+// each product's input is rounded to bfloat16 and its output read back to fp32. Every argument is checked before
+// hidden is written, except the int8 products' widths, which fbgemm's packed weights tell only by their bias (checked
+// first) or their product.
 void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
                     at::TensorList weights, at::TensorList biases, const std::vector<Packed>& packed, int64_t heads,
                     double eps, at::TensorList workspace) {
@@ -139,7 +278,10 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   const int64_t L = norm_weight.size(0);
   xattn::check_tensor(norm_weight, at::kFloat, {L, 2, D}, "norm_weight [L, 2, D]");
   xattn::check_tensor(norm_bias, at::kFloat, {L, 2, D}, "norm_bias [L, 2, D]");
-  TORCH_CHECK(workspace.size() == 5, "workspace: expected 5 tensors (x, qkv, ctx, tmp, ff), got ", workspace.size());
+  const bool bf16 = !weights.empty() && weights[0].scalar_type() == at::kBFloat16;
+  const size_t spaces = bf16 ? 7 : 5;
+  TORCH_CHECK(workspace.size() == spaces, "workspace: expected ", spaces, " tensors (x, qkv, ctx, tmp, ff",
+              bf16 ? ", bfloat16 inputs, bfloat16 outputs" : "", "), got ", workspace.size());
   xattn::check_kind(workspace[4], at::kFloat, 2, true, "workspace[4] (ff [M, F])");
   const int64_t F = workspace[4].size(1);
   TORCH_CHECK(F > 0, "workspace[4] (ff [M, F]): expected F > 0, got ", xattn::describe(workspace[4]));
@@ -167,11 +309,15 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
                 "weights/biases: expected 4 projections per layer for ", L, " layers (", 4 * L,
                 ") with a bias each, got ", weights.size(), " weights and ", biases.size(), " biases");
     for (int64_t i = 0; i < 4 * L; ++i) {
-      xattn::check_tensor(weights[i], at::kFloat, {out_widths[i % 4], in_widths[i % 4]}, "weights[", i, "] (layer ",
-                          i / 4, " ", roles[i % 4], " [N, K])");
+      xattn::check_tensor(weights[i], bf16 ? at::kBFloat16 : at::kFloat, {out_widths[i % 4], in_widths[i % 4]},
+                          "weights[", i, "] (layer ", i / 4, " ", roles[i % 4], " [N, K])");
       xattn::check_tensor(biases[i], at::kFloat, {out_widths[i % 4]}, "biases[", i, "] (layer ", i / 4, " ",
                           roles[i % 4], ")");
     }
+  }
+  if (bf16) {
+    xattn::check_tensor(workspace[5], at::kBFloat16, {M * std::max(D, F)}, "workspace[5] (bfloat16 inputs)");
+    xattn::check_tensor(workspace[6], at::kBFloat16, {M * std::max(3 * D, F)}, "workspace[6] (bfloat16 outputs)");
   }
   at::Tensor x = workspace[0], qkv = workspace[1], ctx = workspace[2], tmp = workspace[3], ff = workspace[4];
 
@@ -184,6 +330,13 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   // out (+)= the projection i of in
   auto project = [&](int64_t i, const at::Tensor& in, at::Tensor& out, Store how) {
     if (int8) return int8_product(packed, i, in, out, how);
+    if (bf16) {
+      const int64_t N = out.size(1), K = in.size(1);
+      at::Tensor in_bf16 = matrix(workspace[5], M, K), out_bf16 = matrix(workspace[6], M, N);
+      round_rows(in, in_bf16);
+      at::mm_out(out_bf16, in_bf16, weights[i].t());
+      return widen_rows(out_bf16, biases[i], out, how);
+    }
     if (how == Store::kSet) return void(at::addmm_out(out, biases[i], in, weights[i].t()));
     at::addmm_out(tmp, biases[i], in, weights[i].t());
     out.add_(tmp);
@@ -192,12 +345,26 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
     const float* gamma = gammas + l * 2 * D;
     const float* beta = betas + l * 2 * D;
     xattn::layer_norm(hp, M, D, gamma, beta, eps, x.data_ptr<float>());
-    project(4 * l, x, qkv, Store::kSet);
-    attention(qkv.data_ptr<float>(), B, S, heads, hd, scale, ctx.data_ptr<float>());
-    project(4 * l + 1, ctx, h, Store::kAdd);
+    if (bf16) {
+      bf16_attention_block(x, weights[4 * l], biases[4 * l], weights[4 * l + 1], biases[4 * l + 1], B, S, heads,
+                           workspace[5], workspace[6], h);
+    } else {
+      project(4 * l, x, qkv, Store::kSet);
+      attention(qkv.data_ptr<float>(), B, S, heads, hd, scale, ctx.data_ptr<float>());
+      project(4 * l + 1, ctx, h, Store::kAdd);
+    }
     xattn::layer_norm(hp, M, D, gamma + D, beta + D, eps, x.data_ptr<float>());
     if (int8) {
       int8_mlp(packed, 4 * l + 2, x, h, F);
+    } else if (bf16) {  // fc1's bias, GELU and fc2's input in one sweep
+      at::Tensor in_bf16 = matrix(workspace[5], M, D), inner = matrix(workspace[6], M, F);
+      round_rows(x, in_bf16);
+      at::mm_out(inner, in_bf16, weights[4 * l + 2].t());
+      const at::Tensor gelu_bf16 = matrix(workspace[5], M, F);
+      gelu_rows(inner, biases[4 * l + 2], gelu_bf16);
+      at::Tensor out_bf16 = matrix(workspace[6], M, D);
+      at::mm_out(out_bf16, gelu_bf16, weights[4 * l + 3].t());
+      widen_rows(out_bf16, biases[4 * l + 3], h, Store::kAdd);
     } else {
       project(4 * l + 2, x, ff, Store::kSet);
       at::gelu_(ff);  // exact (erf) GELU, in place
