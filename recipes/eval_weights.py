@@ -13,7 +13,7 @@ from xattn.datasets.scenes import draw, scene_for
 from xattn.files import save_json
 from xattn.tasks.captioning import Captioner, weight_format_agreement
 
-FORMATS = ["packed", "bf16", "int8", "int8+int8"]  # "int8+int8": the encoder's linear layers in int8 too
+FORMATS = ["packed", "bf16", "int8", "int8+int8", "int8+bf16"]  # "+int8", "+bf16": the encoder in that format too
 
 
 def main():

@@ -409,5 +409,16 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     isa = "; int8 kernel: " + kernels.int8_kernel() if kernels.available() else "; xattn's kernels unavailable"
-    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{isa}"
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{isa}; bf16 products: {bf16_units()}"
+
+
+def bf16_units() -> str:
+    """What runs torch's bfloat16 products here (oneDNN picks AMX, then AVX-512 BF16): what a bf16 format's speed
+    depends on most."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return "unknown"
+    return "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "no bf16 units"
 
