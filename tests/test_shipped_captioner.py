@@ -69,3 +69,23 @@ def test_a_folder_of_100_images_in_one_batched_run_with_progress(tmp_path):
     assert [os.path.basename(r["file"]) for r in rows] == [f"{i:03d}.png" for i in range(100)]
     right = sum(r["caption"] == scene_for(3, 200 + i).caption for i, r in enumerate(rows))
     assert right >= 85, f"{right} of 100 held-out scenes captioned right"
+
+
+def test_encoder_weights_caption_the_held_out_scenes_as_fp32_does(tmp_path, capsys):
+    """`xattn caption --weights int8 --encoder-weights bf16`: the ViT through xattn's kernel in bfloat16 and the
+    decoder in int8 give the fp32 captions (99.9% of 1000 held-out scenes in eval-weights-amx.json)."""
+    from xattn.cli import main
+    from xattn.fast.vit import ViTEncoder
+
+    images = [draw(scene_for(3, 300 + i)) for i in range(24)]
+    fast = Captioner(weights="int8", encoder_weights="bf16")
+    assert isinstance(fast.engine.encoder, ViTEncoder) and fast.engine.encoder.kind == "bf16"
+    same = sum(a == b for a, b in zip(fast.caption(images), Captioner().caption(images)))
+    assert same >= 23, f"{same} of 24 captions equal to fp32's"
+    for i, image in enumerate(images[:4]):
+        image.save(tmp_path / f"{i}.png")
+    out = tmp_path / "captions.jsonl"
+    assert main(["caption", str(tmp_path), "-o", str(out), "--weights", "int8", "--encoder-weights", "bf16",
+                 "--quiet"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["caption"] for r in rows] == fast.caption(images[:4])

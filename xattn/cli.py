@@ -172,7 +172,7 @@ def _caption(args) -> int:
         if args.seed is not None:
             torch.manual_seed(args.seed)
         captioner = Captioner(args.model, compile=args.compile, allow_pickle=args.allow_pickle, weights=args.weights,
-                              revision=args.revision)
+                              revision=args.revision, encoder_weights=args.encoder_weights)
         if args.attention_map:
             print(captioner.attention_map(image, args.attention_map, **_generation_kwargs(args)))
             print(f"wrote {args.attention_map}", file=sys.stderr)
@@ -194,7 +194,7 @@ def _transcribe(args) -> int:
             torch.manual_seed(args.seed)
         transcriber = Transcriber(args.model, max_seconds=args.max_seconds, compile=args.compile,
                                   allow_pickle=args.allow_pickle, weights=args.weights, revision=args.revision,
-                                  pad_to_stride=args.pad_to_stride)
+                                  pad_to_stride=args.pad_to_stride, encoder_weights=args.encoder_weights)
         return _run_files(args, files, output, transcriber.load, transcriber.transcribe_results)
     finally:
         if output is not None:
@@ -414,6 +414,9 @@ def _job_parser(commands, name: str, run, inputs: str, inputs_help: str, what: s
     job.add_argument("--weights", default="exact", choices=KINDS, help="the decoder's weight format: exact "
                      "(transformers' own tensors, identical tokens), packed (fp32 copies), bf16 or int8 "
                      "(faster, small differences; see the README's Performance section)")
+    job.add_argument("--encoder-weights", choices=KINDS, help="the encoder's weight format too (with the decoder's "
+                     "cross K/V projection): bf16 runs a ViT's products on AMX or AVX-512 BF16 where the CPU has them, "
+                     "int8 through fbgemm; default: transformers' own encoder in fp32")
     job.add_argument("--allow-pickle", action="store_true", help="also load pickle-based weights "
                      "(pytorch_model.bin), through torch.load(weights_only=True); only for checkpoints you trust")
     job.add_argument("--shard", type=_shard, metavar="I/N", help="process only the I-th of N equal shares of "
@@ -468,8 +471,8 @@ def _serve_parser(commands) -> argparse.ArgumentParser:
                        "the XATTN_API_KEY environment variable, else open")
     serve.add_argument("--weights", default="exact", choices=KINDS, help="the captioner's and recognizer's decoder "
                        "weight format (as xattn caption --weights)")
-    serve.add_argument("--encoder-weights", choices=KINDS, help="their encoders' weight format too (int8: a "
-                       "ViT's matmuls in int8, with the decoder's cross K/V projection); default: transformers' "
+    serve.add_argument("--encoder-weights", choices=KINDS, help="their encoders' weight format too, with the "
+                       "decoder's cross K/V projection (as xattn caption --encoder-weights); default: transformers' "
                        "own encoder in fp32")
     serve.add_argument("--no-batching", action="store_true", help="run one request at a time")
     serve.add_argument("--no-inflight", action="store_true", help="caption in micro-batches of the requests that "

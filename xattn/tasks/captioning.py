@@ -79,16 +79,19 @@ class Captioner:
     decoding through the xattn engine."""
 
     def __init__(self, model: str | None = None, compile: bool = False, allow_pickle: bool = False,
-                 weights: str = "exact", revision: str | None = None):
+                 weights: str = "exact", revision: str | None = None, encoder_weights: str | None = None):
         from ..hf.hub import resolve_checkpoint
         from ..hf.loading import load, load_image_processor, load_tokenizer
 
         path = DEFAULT_MODEL if model is None else resolve_checkpoint(model, revision, allow_pickle)
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped captioner is not at {path}; pass --model with a checkpoint")
-        self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
+        # with encoder_weights, the decoder's copies are made once, with the encoder's (XattnModel.with_weights)
+        self.engine = load(path, allow_pickle=allow_pickle, weights="exact" if encoder_weights else weights)
         if getattr(self.engine.encoder, "main_input_name", None) != "pixel_values":
             raise ValueError(f"{path} is not an image captioner (no vision encoder)")
+        if encoder_weights:
+            self.engine = self.engine.with_weights(weights, encoder_weights)
         self.tokenizer = load_tokenizer(path)
         self.processor = load_image_processor(path)
         _check_processor_size(self.processor, path)

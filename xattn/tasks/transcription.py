@@ -156,16 +156,19 @@ class Transcriber:
 
     def __init__(self, model: str | None = None, max_seconds: float = 20.0, compile: bool = False,
                  allow_pickle: bool = False, weights: str = "exact", pad_to_stride: bool = False,
-                 revision: str | None = None):
+                 revision: str | None = None, encoder_weights: str | None = None):
         from ..hf.hub import resolve_checkpoint
         from ..hf.loading import load, load_feature_extractor, load_tokenizer
 
         path = DEFAULT_MODEL if model is None else resolve_checkpoint(model, revision, allow_pickle)
         if model is None and not os.path.isdir(path):
             raise ValueError(f"the shipped recognizer is not at {path}; pass --model with a checkpoint")
-        self.engine = load(path, allow_pickle=allow_pickle, weights=weights)
+        # with encoder_weights, the decoder's copies are made once, with the encoder's (XattnModel.with_weights)
+        self.engine = load(path, allow_pickle=allow_pickle, weights="exact" if encoder_weights else weights)
         if getattr(self.engine.encoder, "main_input_name", None) not in ("input_values", "input_features"):
             raise ValueError(f"{path} is not a speech model (no speech encoder)")
+        if encoder_weights:
+            self.engine = self.engine.with_weights(weights, encoder_weights)
         self.tokenizer = load_tokenizer(path)
         _check_feature_extractor(path)  # before transformers builds it: a mel filter bank is allocated at once
         self.feature_extractor = load_feature_extractor(path)
