@@ -59,6 +59,23 @@ def test_fp32_and_int8_products_equal_torch_within_rounding(rows, k, n):
     assert error < 0.02 * exact.abs().max()  # and close to the unquantized activations' result
 
 
+@pytest.mark.parametrize("rows,k", [(1, 768), (3, 13), (16, 3072), (5, 8), (2, 40), (4, 7)])
+def test_int8_products_quantize_each_row_exactly_so(rows, k):
+    """Through an identity weight the product gives back x as quantized: q = round(x * (1 / s)) to even with
+    s = max|x| / 127 per row, times s; a NaN is left out of the max and quantizes to 0 (vector lanes and the tail)."""
+    generator = torch.Generator().manual_seed(rows * 31 + k)
+    x = torch.randn(rows, k, generator=generator) * 3
+    x[0, -1] = float("nan")  # in the tail where k % 8 != 0, else in the last vector
+    if k > 8:
+        x[-1, 2] = float("nan")
+        x[-1, 5] = 2.5 * x[-1].nan_to_num().abs().max() / 127  # a tie once scaled: rounds to even
+    identity = torch.eye(k, dtype=torch.int8)
+    got = kernels.matvec_int8(x, kernels.int8_blocks(identity), k, torch.ones(k))
+    scale = x.nan_to_num().abs().amax(dim=1, keepdim=True) / 127
+    want = torch.round(x * (1 / scale)).nan_to_num(0.0) * scale
+    assert torch.equal(got, want)
+
+
 def _vnni_or_skip():
     if not kernels.int8_kernel_is_vnni():
         pytest.skip("this CPU has no AVX-512 VNNI (or XATTN_INT8_KERNEL=avx2)")

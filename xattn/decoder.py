@@ -129,6 +129,8 @@ class GPT2CrossAttentionDecoder(nn.Module):
         values = encoder_hidden_states.new_empty(shape, dtype=dtype)
         # "exact" projects the batch at once, as transformers does; a format may take a few rows at a time
         group = b if self.steps.cross_rows is None else self.steps.cross_rows(s)
+        if self.steps.cross_name == "bf16":  # every layer's product rounds its input so: once for all
+            encoder_hidden_states = encoder_hidden_states.to(torch.bfloat16)
         for layer_idx, projection in enumerate(self.steps.cross_kv):
             for start in range(0, b, group):
                 rows = encoder_hidden_states[start: start + group]

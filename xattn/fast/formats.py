@@ -133,8 +133,8 @@ class BF16Linear(_Copy):
         self.bias = None if bias is None else bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x.to(torch.bfloat16), self.weight).float()
-        return out if self.bias is None else out + self.bias
+        out = F.linear(x.to(torch.bfloat16), self.weight).float()  # x already bfloat16: not copied
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class Int8Linear(_Copy):

@@ -267,16 +267,37 @@ void block_int8(const int8_t* xq, int64_t K32, const int8_t* block, const int8_t
   }
 }
 
-// Each activation row to int8 [M, K32] (zeros past K), symmetric, one scale per row (a plain loop: a few ATen ops
-// per call would cost more than the product at one row).
+// Each activation row to int8 [M, K32] (zeros past K), symmetric, one scale per row. 8 lanes at a time, the same
+// values as the scalar steps (max and rounding are exact in any order; a NaN is skipped by the max and quantizes to 0,
+// as the scalar cast makes it): at 16 rows and K = 3072 the scalar loop, run before the product's threads start,
+// took as long as a third of the product.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t K32, int8_t* xq, float* x_scale) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const int64_t k8 = K - K % 8;
   for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    int8_t* qm = xq + m * K32;
+    __m256 peak = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k8; k += 8)  // max(v, peak) keeps peak where v is NaN, as std::max(peak, v) does
+      peak = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xm + k)), peak);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, peak);
     float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[m * K + k]));
+    for (float v : lanes) amax = std::max(amax, v);
+    for (int64_t k = k8; k < K; ++k) amax = std::max(amax, std::abs(xm[k]));
     x_scale[m] = amax > 0.f ? amax / 127.f : 1.f;
     const float inv = 1.f / x_scale[m];
-    for (int64_t k = 0; k < K; ++k) xq[m * K32 + k] = static_cast<int8_t>(std::nearbyint(x[m * K + k] * inv));
-    for (int64_t k = K; k < K32; ++k) xq[m * K32 + k] = 0;
+    const __m256 factor = _mm256_set1_ps(inv);
+    for (int64_t k = 0; k < k8; k += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xm + k), factor);
+      const __m256 rounded = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256i q = _mm256_cvtps_epi32(rounded);
+      q = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)), q);  // NaN -> 0
+      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qm + k), _mm_packs_epi16(q16, q16));
+    }
+    for (int64_t k = k8; k < K; ++k) qm[k] = static_cast<int8_t>(std::nearbyint(xm[k] * inv));
+    for (int64_t k = K; k < K32; ++k) qm[k] = 0;
   }
 }
 
