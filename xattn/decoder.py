@@ -129,14 +129,15 @@ class GPT2CrossAttentionDecoder(nn.Module):
         values = encoder_hidden_states.new_empty(shape, dtype=dtype)
         # "exact" projects the batch at once, as transformers does; a format may take a few rows at a time
         group = b if self.steps.cross_rows is None else self.steps.cross_rows(s)
-        if self.steps.cross_name == "bf16":  # every layer's product rounds its input so: once for all
-            encoder_hidden_states = encoder_hidden_states.to(torch.bfloat16)
         for layer_idx, projection in enumerate(self.steps.cross_kv):
             for start in range(0, b, group):
-                rows = encoder_hidden_states[start: start + group]
+                rows, part = encoder_hidden_states[start: start + group], slice(start, start + group)
+                if getattr(projection, "into_heads", None) and projection.into_heads(rows, keys[layer_idx, part],
+                                                                                     values[layer_idx, part]):
+                    continue  # the format wrote its heads itself
                 kv = projection(rows)  # (n, S, 2*D)
                 k, v = kv.view(rows.shape[0], s, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-                keys[layer_idx, start: start + group], values[layer_idx, start: start + group] = k, v  # (n, H, S, hd)
+                keys[layer_idx, part], values[layer_idx, part] = k, v  # (n, H, S, hd)
         return keys, values
 
     # ---- forward ------------------------------------------------------------------------------------------

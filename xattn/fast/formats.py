@@ -133,8 +133,18 @@ class BF16Linear(_Copy):
         self.bias = None if bias is None else bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x.to(torch.bfloat16), self.weight).float()  # x already bfloat16: not copied
+        out = F.linear(x.to(torch.bfloat16), self.weight).float()
         return out if self.bias is None else out.add_(self.bias)
+
+    def into_heads(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """As a cross K/V projection: keys, values [n, H, S, hd] = the heads of x [n, S, D] projected, written in one
+        pass with the bias added in fp32 (kernels.cross_heads: the same values as the generic path's widening,
+        bias and strided copies, which cost twice the product); False where the kernels are not built."""
+        if not kernels.available():
+            return False
+        bias = self.bias if self.bias is not None else torch.zeros(self.out_features)
+        kernels.cross_heads(F.linear(x.to(torch.bfloat16), self.weight).contiguous(), bias, keys, values)
+        return True
 
 
 class Int8Linear(_Copy):

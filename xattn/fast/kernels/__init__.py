@@ -1,5 +1,6 @@
-"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp,
-cache_rows.cpp, beam_candidates.cpp), compiled on first use with the system's g++ against torch's headers.
+"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, bf16.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp,
+cache_rows.cpp, beam_candidates.cpp, cross_heads.cpp), compiled on first use with the system's g++ against torch's
+headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
 `matvec_rows(x, weight, bias=None)`: the same product reading an fp32 weight [N, K] as it is (no copy).
@@ -9,7 +10,8 @@ per row inside.
 argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). `encoder_layers(...)`: a
 batch through every ViT layer (see encoder.cpp). `reorder_rows(...)`: a beam step's reorder of the cache's self K/V
 in one call (see cache_rows.cpp). `beam_candidates(...)`: a beam step's best candidates, torch.topk's exactly or
-None (see beam_candidates.cpp). Every op checks each tensor it is given (checks.h) and refuses a wrong one with a
+None (see beam_candidates.cpp). `cross_heads(...)`: a bfloat16 cross K/V projection's output into the cache's
+heads (see cross_heads.cpp). Every op checks each tensor it is given (checks.h) and refuses a wrong one with a
 RuntimeError naming it.
 
 The build lands in ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the sources and the torch version, so later processes
@@ -39,8 +41,8 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name)
             for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp", "cache_rows.cpp",
-                                   "beam_candidates.cpp")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h", "checks.h")]
+                                   "beam_candidates.cpp", "cross_heads.cpp")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h", "checks.h", "bf16.h")]
 _state: dict = {}
 
 
@@ -138,6 +140,12 @@ def reorder_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
     """Row i of keys/values [L, B, H, T_max, hd] takes row index[i]'s positions [0, valid), in place (beam search's
     reorder; any mapping, each source read as it was before the call)."""
     torch.ops.xattn_kernels.reorder_rows(keys, values, index, valid)
+
+
+def cross_heads(kv: torch.Tensor, bias: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """keys, values [n, H, S, hd] (float16 or float32, contiguous) = the heads of kv [n, S, 2D] (bfloat16) + bias
+    [2D] (fp32), rounded once to their dtype: keys from kv's first D columns, values from the rest."""
+    torch.ops.xattn_kernels.cross_heads(kv, bias, keys, values)
 
 
 def beam_candidates(log_probs: torch.Tensor, scores: torch.Tensor, keep: int

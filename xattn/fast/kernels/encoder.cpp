@@ -14,17 +14,23 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
 #include "checks.h"
 #include "products.h"
 #include "rowwise.h"
 
 namespace {
 
+using xattn::bf16_data;
+using xattn::from_bf16;
+using xattn::from_bf16x8;
 using xattn::kPanel;
+using xattn::round_span;
+using xattn::to_bf16;
+using xattn::to_bf16x8;
 using xattn::Store;
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
@@ -133,45 +139,6 @@ at::Tensor matrix(const at::Tensor& flat, int64_t rows, int64_t cols) {
 // rate. The passes between fp32 and bfloat16 around them are written here, each one sweep over rows in parallel:
 // torch's mixed-dtype add and its copies cost as much as the products themselves.
 
-// x rounded to the nearest bfloat16 (ties to even, a NaN kept a NaN), as torch's conversion rounds.
-inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return x != x ? static_cast<uint16_t>((bits >> 16) | 0x40u) : static_cast<uint16_t>(rounded);
-}
-
-inline float from_bf16(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
-// 8 floats rounded as to_bf16 rounds each
-inline __m128i to_bf16x8(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i half = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  half = _mm256_blendv_epi8(half, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  const __m256i packed = _mm256_packus_epi32(half, half);  // [0..3, 0..3 | 4..7, 4..7] as 16 bits each
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
-}
-
-inline __m256 from_bf16x8(const uint16_t* h) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// y [n] bfloat16 = x [n] fp32, rounded
-inline void round_span(const float* x, int64_t n, uint16_t* y) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), to_bf16x8(_mm256_loadu_ps(x + i)));
-  for (; i < n; ++i) y[i] = to_bf16(x[i]);
-}
-
-uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 // out [M, K] bfloat16 = in [M, K] fp32, rounded
 void round_rows(const at::Tensor& in, const at::Tensor& out) {
