@@ -423,7 +423,7 @@ def test_server_requests_join_the_running_batch_and_get_their_own_answers(shippe
     assert [a.status_code for a in answers] == [200] * 6
     for answer, (path, fields) in zip(answers, [(IMAGES[0], {}), *later]):
         assert answer.json() == _alone(shipped, path, fields)
-    assert runs.steps[0] == [2]  # the first request alone: its prompt and one step written
+    assert runs.steps[0] == [1]  # the first request alone: its one-token prompt was its first step's input
     assert any(len(set(positions)) > 1 for positions in runs.steps), "nobody joined the running batch"
 
 
@@ -445,5 +445,6 @@ def test_server_deadline_frees_the_rows_of_a_running_request(shipped, monkeypatc
     late, after = _scenario(app, body)
     assert late.status_code == 504 and after.status_code == 200
     assert after.json() == _alone(shipped, IMAGES[1], {})
-    # it joined and ran one step; the next step is the later request's first: the rest of its tokens never ran
-    assert runs.steps[:2] == [[2], [2]]
+    # it joined and ran one step (its start token's); the next step is the later request's first: the rest of its
+    # tokens never ran
+    assert runs.steps[:2] == [[1], [1]]

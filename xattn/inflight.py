@@ -252,13 +252,14 @@ class Scheduler:
             # prompt [rows, P], as generate expands it
             run.search = _Search(run.handle.request.options, prompt, self.decoder.steps.beam_candidates)
             self.running.append(run)
-            if self._update(run, logits.repeat_interleave(rows, dim=0)):
+            if logits is not None and self._update(run, logits.repeat_interleave(rows, dim=0)):
                 finished.append(run.handle)
         return finished
 
     def _start(self, group: list[_Running]) -> list[torch.Tensor]:
         """Encode the group's inputs in one call, then each request's cross K/V (one input, as alone) and its prompt's
-        K/V into its rows; returns each request's prefill logits [1, V]."""
+        K/V into its rows; returns each request's prefill logits [1, V], or None for a one-token prompt that the shared
+        steps take as a step's input (a one-token prefill is that step: GPT2CrossAttentionDecoder.prefill)."""
         requests = [run.handle.request for run in group]
         states = masks = None
         if self.decoder.has_cross_attention:
@@ -279,9 +280,12 @@ class Scheduler:
             # prompts that are computed row-independently alone are prefilled together through the shared steps;
             # a one-token prompt attends to itself only, whatever the cache's length, a longer one in alone's length
             coupled = run.apart or (self.coupled_above is not None and length > self.coupled_above)
+            if length == 1 and not coupled:  # its token is the next shared step's input at position 0: no prefill
+                run.tokens = request.prompt.repeat(run.stop - run.start)
+                continue
             key = (length, 1 if length == 1 else positions, coupled)
             prefills.setdefault(key, []).append(i)
-        logits: dict[int, torch.Tensor] = {}
+        logits: dict[int, torch.Tensor | None] = dict.fromkeys(range(len(group)))
         for (length, cache_length, coupled), members in prefills.items():
             # coupled: through the decoder's own steps, one at a time, as alone
             together = not coupled and self.chunk is None
