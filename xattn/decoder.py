@@ -118,17 +118,16 @@ class GPT2CrossAttentionDecoder(nn.Module):
         """Cross-attention K/V of every layer, [layers, B_enc, H, S, D] each, in the dtype the steps keep them in
         (DecoderSteps.cross_kv_dtype; else the states' own), converted as they are written."""
         if not self.has_cross_attention:
-            raise ValueError(
-                "this GPT-2 decoder has no cross-attention layers (config.add_cross_attention=False); "
-                "pass no encoder_hidden_states, or use a model built with add_cross_attention=True"
-            )
+            raise ValueError("this GPT-2 decoder has no cross-attention layers (config.add_cross_attention=False); "
+                             "pass no encoder_hidden_states, or use a model built with add_cross_attention=True")
         dtype = None if self.steps.cross_kv_dtype is None else self.steps.cross_kv_dtype(encoder_hidden_states)
         b, s, _ = encoder_hidden_states.shape
         shape = (self.num_layers, b, self.num_heads, s, self.head_dim)
-        keys = encoder_hidden_states.new_empty(shape, dtype=dtype)
-        values = encoder_hidden_states.new_empty(shape, dtype=dtype)
+        keys, values = (encoder_hidden_states.new_empty(shape, dtype=dtype) for _ in range(2))
         # "exact" projects the batch at once, as transformers does; a format may take a few rows at a time
         group = b if self.steps.cross_rows is None else self.steps.cross_rows(s)
+        if self.steps.cross_name == "bf16":  # every layer's product rounds its input so: once for all
+            encoder_hidden_states = encoder_hidden_states.to(torch.bfloat16)
         for layer_idx, projection in enumerate(self.steps.cross_kv):
             for start in range(0, b, group):
                 rows, part = encoder_hidden_states[start: start + group], slice(start, start + group)
