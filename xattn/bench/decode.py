@@ -409,7 +409,8 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     isa = "; int8 kernel: " + kernels.int8_kernel() if kernels.available() else "; xattn's kernels unavailable"
-    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{isa}; bf16 products: {bf16_units()}"
+    threads = f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"{model}, {threads}{isa}; bf16 products: {bf16_units()}"
 
 
 def bf16_units() -> str:

@@ -1,10 +1,11 @@
 """A transformers ViTModel's inference pass through xattn's kernel: every layer in one call per batch.
 
 The patch embeddings and the final layer norm stay transformers' own modules; the layers run in
-xattn_kernels::encoder_layers (kernels/encoder.cpp) with int8 (fbgemm, as weights="int8" runs them elsewhere), bfloat16
-(torch's products, which oneDNN runs on AMX or AVX-512 BF16 where the CPU has them) or fp32 projections, their intermediate results in a workspace kept between calls: on these machines the page faults of
-torch's fresh output tensors cost a quarter of an int8 batch's encoder time. Outputs differ from transformers' by
-rounding (fp32), by the bfloat16 products' rounding or by the int8 products' error.
+xattn_kernels::encoder_layers (kernels/encoder.cpp) with int8 (fbgemm, as weights="int8" runs them elsewhere),
+bfloat16 (torch's products, which oneDNN runs on AMX or AVX-512 BF16 where the CPU has them, and torch's flash
+attention) or fp32 projections, their intermediate results in a workspace kept between calls: on these machines the
+page faults of torch's fresh output tensors cost a quarter of an int8 batch's encoder time. Outputs differ from
+transformers' by rounding (fp32), by the bfloat16 products' rounding or by the int8 products' error.
 """
 
 from __future__ import annotations
