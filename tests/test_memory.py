@@ -27,7 +27,9 @@ def test_packed_and_int8_hold_at_most_one_extra_copy_of_the_benchmark_decoder():
     assert packed.error is None and int8.error is None
     # packed: panels for the blocks, the head read in place, plus the greedy head's int8 screen (a quarter of it)
     assert packed.extra_mb <= packed.one_copy_mb
-    # int8: its copy and ~9 MB of the steps' own bookkeeping (a copy is 132 MB); fbgemm's copy is not made at one row
+    # int8: its copy and a few MB of the steps' own bookkeeping (a copy is 132 MB); fbgemm's copy is not made at one
+    # row. The libraries loaded once per process (kernels, fbgemm's and oneDNN's probes) are counted apart
+    assert 0 < int8.libraries_mb < 0.2 * int8.one_copy_mb
     assert int8.extra_mb <= 1.1 * int8.one_copy_mb
     assert int8.peak_extra_mb["B=1 greedy"] < int8.extra_mb + 0.5 * int8.one_copy_mb
     if "int8 avx2" in results:  # AVX-512 VNNI here: no fbgemm copy at 32 rows either, where AVX2 alone makes one

@@ -24,11 +24,14 @@ BYTES = {"exact": 4, "packed": 4, "bf16": 2, "int8": 1}
 @dataclass
 class Footprint:
     weights: str
-    model_mb: float  # RSS with the model built, before any copy (the interpreter and torch included)
+    model_mb: float  # RSS with the model built and the libraries loaded, before any copy (the interpreter included)
     extra_mb: float  # RSS after the format's copies, less model_mb
     one_copy_mb: float
     peak_extra_mb: dict[str, float] = field(default_factory=dict)  # row -> peak RSS while generating, less model_mb
     error: str | None = None
+    # what loading xattn's kernels and probing fbgemm's and oneDNN's products pages in, once per process whatever the
+    # format (library code and the probes' buffers; ~7 MB on an AMD EPYC, ~13 on a Xeon with AMX): in model_mb
+    libraries_mb: float = 0.0
 
     @property
     def copies(self) -> float:
@@ -68,7 +71,7 @@ def measure(weights: str, threads: int = 2, max_new_tokens: int = 8) -> Footprin
 
     import torch
 
-    from ..fast import release_freed_memory
+    from ..fast import kernels, release_freed_memory, torch_ops
     from ..hf.model import from_hf
     from .decode import vit_gpt2_small
 
@@ -76,10 +79,14 @@ def measure(weights: str, threads: int = 2, max_new_tokens: int = 8) -> Footprin
     model = from_hf(vit_gpt2_small())
     gc.collect()
     release_freed_memory()  # as the format's copies are measured: after their temporaries are given back
+    before_libraries = _status_mb("VmRSS")
+    kernels.available(), torch_ops.fbgemm_available(), torch_ops.onednn_available()  # each loads once per process
+    gc.collect()
     model_mb = _status_mb("VmRSS")
     engine = model.with_weights(weights) if weights != "exact" else model
     gc.collect()
-    footprint = Footprint(weights, model_mb, _status_mb("VmRSS") - model_mb, one_copy_mb(model.decoder, weights))
+    footprint = Footprint(weights, model_mb, _status_mb("VmRSS") - model_mb, one_copy_mb(model.decoder, weights),
+                          libraries_mb=model_mb - before_libraries)
     generator = torch.Generator().manual_seed(0)
     for row, (batch, beams) in ROWS.items():
         pixels = torch.randn(batch, 3, 224, 224, generator=generator)
@@ -118,8 +125,8 @@ def _line(f: Footprint) -> str:
     if f.error:
         return f"{f.weights:8s} error: {f.error}"
     peaks = "  ".join(f"{row} +{mb:.0f}" for row, mb in f.peak_extra_mb.items())
-    return (f"{f.weights:9s} model {f.model_mb:6.0f} MB  +format {f.extra_mb:5.0f} MB = {f.copies:4.2f} copies of "
-            f"{f.one_copy_mb:.0f} MB  peak generating: {peaks} MB")
+    return (f"{f.weights:9s} model {f.model_mb:6.0f} MB (libraries {f.libraries_mb:.0f})  +format {f.extra_mb:5.0f} "
+            f"MB = {f.copies:4.2f} copies of {f.one_copy_mb:.0f} MB  peak generating: {peaks} MB")
 
 
 def table(results: list[Footprint]) -> str:

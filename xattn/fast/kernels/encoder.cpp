@@ -139,7 +139,6 @@ at::Tensor matrix(const at::Tensor& flat, int64_t rows, int64_t cols) {
 // rate. The passes between fp32 and bfloat16 around them are written here, each one sweep over rows in parallel:
 // torch's mixed-dtype add and its copies cost as much as the products themselves.
 
-
 // out [M, K] bfloat16 = in [M, K] fp32, rounded
 void round_rows(const at::Tensor& in, const at::Tensor& out) {
   const float* x = in.data_ptr<float>();
@@ -229,10 +228,11 @@ void bf16_attention_block(const at::Tensor& x, const at::Tensor& qkv_weight, con
 // Runs hidden [B, S, D] through every layer in place. Per layer, four projections (qkv [3D, D], out [D, D],
 // fc1 [F, D], fc2 [D, F]): fbgemm's prepacked int8 ones (`packed`, biases inside), else fp32 or bfloat16 `weights`
 // [N, K] with fp32 `biases` [N]. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace: x [M, D],
-// qkv [M, 3D], ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by fp32 and bfloat16 weights
-// only: int8 ones run the MLP and the residual sums block by block); bfloat16 weights add two flat bfloat16 tensors,
-// the products' inputs [M * max(D, F)] and outputs [M * max(3D, F)]: norms, attention, biases and GELU stay fp32,
-// each product's input is rounded to bfloat16 and its output read back to fp32. Every argument is checked before
+// qkv [M, 3D], ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by fp32 weights only: int8
+// ones run the MLP and the residual sums block by block); bfloat16 weights use x alone of these and add two flat
+// bfloat16 tensors, the products' inputs [M * max(D, F)] and outputs [M * max(3D, F)]: each product's input is
+// rounded to bfloat16, attention runs over bfloat16 Q, K, V, and the norms, biases, GELU and the residual stream stay
+// fp32 (bf16_attention_block, gelu_rows). Every argument is checked before
 // hidden is written, except the int8 products' widths, which fbgemm's packed weights tell only by their bias (checked
 // first) or their product.
 void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
@@ -297,13 +297,6 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   // out (+)= the projection i of in
   auto project = [&](int64_t i, const at::Tensor& in, at::Tensor& out, Store how) {
     if (int8) return int8_product(packed, i, in, out, how);
-    if (bf16) {
-      const int64_t N = out.size(1), K = in.size(1);
-      at::Tensor in_bf16 = matrix(workspace[5], M, K), out_bf16 = matrix(workspace[6], M, N);
-      round_rows(in, in_bf16);
-      at::mm_out(out_bf16, in_bf16, weights[i].t());
-      return widen_rows(out_bf16, biases[i], out, how);
-    }
     if (how == Store::kSet) return void(at::addmm_out(out, biases[i], in, weights[i].t()));
     at::addmm_out(tmp, biases[i], in, weights[i].t());
     out.add_(tmp);
