@@ -30,7 +30,7 @@ class Footprint:
     peak_extra_mb: dict[str, float] = field(default_factory=dict)  # row -> peak RSS while generating, less model_mb
     error: str | None = None
     # what loading xattn's kernels and probing fbgemm's and oneDNN's products pages in, once per process whatever the
-    # format (library code and the probes' buffers; ~7 MB on an AMD EPYC, ~13 on a Xeon with AMX): in model_mb
+    # format (library code and the probes' buffers; 13-15 MB on a Xeon with AMX): in model_mb, not in extra_mb
     libraries_mb: float = 0.0
 
     @property
