@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace xattn {
 
@@ -49,5 +50,34 @@ inline void round_span(const float* x, int64_t n, uint16_t* y) {
 }
 
 inline uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// 8 floats stored as float32, as float16 (to nearest even, through F16C, as torch converts) or as bfloat16 (uint16_t)
+inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+inline void store8(at::Half* out, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store8(uint16_t* out, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), to_bf16x8(v)); }
+inline void store1(float* out, float v) { *out = v; }
+inline void store1(at::Half* out, float v) { *out = static_cast<at::Half>(v); }
+inline void store1(uint16_t* out, float v) { *out = to_bf16(v); }
+
+// out[i] = float(in[i]) + bias[i] for i < n (bfloat16 in, the sum in fp32, rounded once to Out); with accumulate
+// (float32 out only) out[i] += that sum. out may be in itself.
+template <typename Out>
+inline void add_bias(const uint16_t* in, const float* bias, int64_t n, Out* out, bool accumulate = false) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_add_ps(from_bf16x8(in + i), _mm256_loadu_ps(bias + i));
+    if constexpr (std::is_same_v<Out, float>)
+      if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(out + i), v);
+    store8(out + i, v);
+  }
+  for (; i < n; ++i) {
+    float v = from_bf16(in[i]) + bias[i];
+    if constexpr (std::is_same_v<Out, float>)
+      if (accumulate) v = out[i] + v;
+    store1(out + i, v);
+  }
+}
 
 }  // namespace xattn

@@ -15,11 +15,6 @@
 
 namespace {
 
-void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
-void store8(at::Half* out, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-
 template <typename T>
 void write_heads(const uint16_t* kv, const float* bias, int64_t n, int64_t S, int64_t H, int64_t hd, T* keys,
                  T* values) {
@@ -31,12 +26,7 @@ void write_heads(const uint16_t* kv, const float* bias, int64_t n, int64_t S, in
         T* base = half == 0 ? keys : values;
         for (int64_t h = 0; h < H; ++h) {
           const int64_t column = half * D + h * hd;
-          const uint16_t* in = kv + row * 2 * D + column;
-          T* out = base + ((b * H + h) * S + s) * hd;
-          int64_t d = 0;
-          for (; d + 8 <= hd; d += 8)
-            store8(out + d, _mm256_add_ps(xattn::from_bf16x8(in + d), _mm256_loadu_ps(bias + column + d)));
-          for (; d < hd; ++d) out[d] = static_cast<T>(xattn::from_bf16(in[d]) + bias[column + d]);
+          xattn::add_bias(kv + row * 2 * D + column, bias + column, hd, base + ((b * H + h) * S + s) * hd);
         }
       }
     }

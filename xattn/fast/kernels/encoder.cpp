@@ -24,13 +24,10 @@
 
 namespace {
 
+using xattn::add_bias;
 using xattn::bf16_data;
-using xattn::from_bf16;
-using xattn::from_bf16x8;
 using xattn::kPanel;
 using xattn::round_span;
-using xattn::to_bf16;
-using xattn::to_bf16x8;
 using xattn::Store;
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
@@ -150,21 +147,9 @@ void round_rows(const at::Tensor& in, const at::Tensor& out) {
 // out [M, N] fp32 = (or +=) in [M, N] bfloat16 + bias [N]
 void widen_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& out, Store how) {
   const int64_t N = out.size(1);
-  const uint16_t* x = bf16_data(in);
-  const float* b = bias.data_ptr<float>();
-  float* y = out.data_ptr<float>();
   at::parallel_for(0, out.size(0), 8, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const uint16_t* xm = x + m * N;
-      float* ym = y + m * N;
-      int64_t n = 0;
-      for (; n + 8 <= N; n += 8) {
-        __m256 v = _mm256_add_ps(from_bf16x8(xm + n), _mm256_loadu_ps(b + n));
-        if (how == Store::kAdd) v = _mm256_add_ps(_mm256_loadu_ps(ym + n), v);
-        _mm256_storeu_ps(ym + n, v);
-      }
-      for (; n < N; ++n) ym[n] = (how == Store::kAdd ? ym[n] : 0.0f) + (from_bf16(xm[n]) + b[n]);
-    }
+    for (int64_t m = begin; m < end; ++m)
+      add_bias(bf16_data(in) + m * N, bias.data_ptr<float>(), N, out.data_ptr<float>() + m * N, how == Store::kAdd);
   });
 }
 
@@ -188,18 +173,9 @@ void gelu_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& o
 // out [M, N] bfloat16 = in [M, N] bfloat16 + bias [N] (fp32), rounded once, in place where out is in
 void bias_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& out) {
   const int64_t N = out.size(1);
-  const float* b = bias.data_ptr<float>();
   at::parallel_for(0, out.size(0), 8, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const uint16_t* xm = bf16_data(in) + m * N;
-      uint16_t* ym = bf16_data(out) + m * N;
-      int64_t n = 0;
-      for (; n + 8 <= N; n += 8) {
-        const __m256 v = _mm256_add_ps(from_bf16x8(xm + n), _mm256_loadu_ps(b + n));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(ym + n), to_bf16x8(v));
-      }
-      for (; n < N; ++n) ym[n] = to_bf16(from_bf16(xm[n]) + b[n]);
-    }
+    for (int64_t m = begin; m < end; ++m)
+      add_bias(bf16_data(in) + m * N, bias.data_ptr<float>(), N, bf16_data(out) + m * N);
   });
 }
 
