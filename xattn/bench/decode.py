@@ -416,10 +416,8 @@ def machine() -> str:
 def bf16_units() -> str:
     """What runs torch's bfloat16 products here (oneDNN picks AMX, then AVX-512 BF16): what a bf16 format's speed
     depends on most."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next(line for line in f if line.startswith("flags")).split())
-    except (OSError, StopIteration):
+    flags = kernels.cpu_flags()
+    if flags is None:
         return "unknown"
     return "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "no bf16 units"
 

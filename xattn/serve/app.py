@@ -77,23 +77,18 @@ def _load(kind: str, settings: Settings):
     name = getattr(settings, kind)
     if name == OFF:
         return None
-    # with an encoder format, both formats are applied to the exact model together (below)
-    weights = "exact" if settings.encoder_weights else settings.weights
+    formats = dict(weights=settings.weights, encoder_weights=settings.encoder_weights)
     if kind == "captioner":
         from ..tasks.captioning import Captioner
 
-        model = Captioner(name, weights=weights)
-    elif kind == "recognizer":
+        return Captioner(name, **formats)
+    if kind == "recognizer":
         from ..tasks.transcription import Transcriber
 
-        model = Transcriber(name, max_seconds=settings.max_seconds, weights=weights)
-    else:
-        from ..tasks.speech_synthesis import Speaker
+        return Transcriber(name, max_seconds=settings.max_seconds, **formats)
+    from ..tasks.speech_synthesis import Speaker
 
-        return Speaker(name)
-    if settings.encoder_weights:
-        model.engine = model.engine.with_weights(settings.weights, settings.encoder_weights)
-    return model
+    return Speaker(name)
 
 
 def create_app(settings: Settings | None = None, *, captioner=None, transcriber=None, speaker=None) -> FastAPI:

@@ -166,12 +166,17 @@ def greedy_tokens(x, weight, bias, screen, scale, bounds, forbidden) -> torch.Te
     return torch.ops.xattn_kernels.greedy_tokens(x, weight, bias, screen, scale, bounds, forbidden)
 
 
-def _cpu_has_avx2_fma() -> bool:
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (Linux), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
+            return set(next(line for line in f if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return False
+        return None
+
+
+def _cpu_has_avx2_fma() -> bool:
+    flags = cpu_flags() or set()
     return "avx2" in flags and "fma" in flags and "f16c" in flags  # every AVX2 CPU has F16C
 
 
