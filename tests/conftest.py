@@ -159,17 +159,23 @@ def pytest_runtest_setup(item):
                         "build's warning says why")
 
 
-@pytest.fixture(params=["avx2", "vnni"])
+@pytest.fixture(params=["avx2", "vnni", "amx"])
 def int8_kernel(request):
-    """Each int8 kernel of xattn's in turn (skipped where the CPU lacks AVX-512 VNNI), the default restored after."""
+    """Each int8 kernel of xattn's in turn (skipped where the CPU lacks its instructions), the default restored
+    after."""
     from xattn.fast import kernels
 
     if not kernels.available():
         pytest.skip("needs xattn's kernels")
-    if request.param == "vnni" and not kernels.int8_kernel_is_vnni():
-        pytest.skip("this CPU has no AVX-512 VNNI (or XATTN_INT8_KERNEL=avx2)")
-    with kernels.using_int8_kernel(request.param):
+    before = kernels.int8_kernel()
+    try:
+        kernels.int8_kernel(request.param)
+    except RuntimeError as error:  # this CPU lacks its instructions
+        pytest.skip(str(error))
+    try:
         yield request.param
+    finally:
+        kernels.int8_kernel(before)
 
 
 def fast_engine_and_pixels(weights: str):

@@ -76,18 +76,12 @@ def test_int8_products_quantize_each_row_exactly_so(rows, k):
     assert torch.equal(got, want)
 
 
-def _vnni_or_skip():
-    if not kernels.int8_kernel_is_vnni():
-        pytest.skip("this CPU has no AVX-512 VNNI (or XATTN_INT8_KERNEL=avx2)")
-
-
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17, 64, 70])
-@pytest.mark.parametrize("k,n", [(32, 37), (768, 2304), (3072, 16), (20, 13), (8, 1), (100, 9)])
-def test_the_vnni_and_avx2_int8_kernels_give_the_same_bits(rows, k, n):
+@pytest.mark.parametrize("k,n", [(32, 37), (768, 2304), (3072, 16), (20, 13), (8, 1), (100, 9), (64, 33)])
+def test_the_int8_kernels_give_the_same_bits(rows, k, n, int8_kernel):
     """AVX-512 VNNI's product adds x + 128 times w and takes 128 x the row's sum off again; AVX2's moves x's sign onto
-    w: the same int32 sums, so the same results, at every row count and tail of N and K; and each row's result does
-    not depend on the rows beside it."""
-    _vnni_or_skip()
+    w; AMX multiplies signed bytes in tiles of 16 rows (a part-filled last one): the same int32 sums, so the same
+    results, at every row count and tail of N and K; and each row's result does not depend on the rows beside it."""
     generator = torch.Generator().manual_seed(rows * 7 + k + n)
     x = torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 5
     x[0, : k // 2] = 0  # a zero half, and below the extremes of the int8 range
@@ -95,22 +89,22 @@ def test_the_vnni_and_avx2_int8_kernels_give_the_same_bits(rows, k, n):
     quantized[0] = 127  # the row sums' extremes
     quantized[-1] = -127
     blocks, scales, bias = kernels.int8_blocks(quantized), torch.rand(n, generator=generator), torch.randn(n)
-    vnni = kernels.matvec_int8(x, blocks, n, scales, bias)
+    got = kernels.matvec_int8(x, blocks, n, scales, bias)
     by_row = torch.cat([kernels.matvec_int8(x[i:i + 1], blocks, n, scales, bias) for i in range(rows)])
     with kernels.using_int8_kernel("avx2"):
         avx2 = kernels.matvec_int8(x, blocks, n, scales, bias)
-    assert torch.equal(vnni, avx2)
-    assert torch.equal(by_row, vnni)
+    assert torch.equal(got, avx2)
+    assert torch.equal(by_row, got)
     x_scales = x.abs().amax(dim=1, keepdim=True) / 127
     expected = ((x / x_scales).round().double() @ quantized.double().t()) * x_scales.double() * scales.double() + bias
-    assert torch.allclose(vnni.double(), expected, atol=1e-4, rtol=1e-5)  # and both are the product asked for
+    assert torch.allclose(got.double(), expected, atol=1e-4, rtol=1e-5)  # and each is the product asked for
 
 
 def test_the_int8_kernel_is_chosen_by_name_and_refuses_others():
     chosen = kernels.int8_kernel()
-    assert chosen in ("avx2", "vnni")
+    assert chosen in ("avx2", "vnni", "amx")
     assert kernels.int8_kernel(chosen) == chosen
-    with pytest.raises(RuntimeError, match="expected 'avx2' or 'vnni'"):
+    with pytest.raises(RuntimeError, match="expected 'avx2', 'vnni' or 'amx'"):
         kernels.int8_kernel("avx512")
     assert kernels.int8_kernel() == chosen
     # XATTN_INT8_KERNEL=avx2 picks AVX2 when the library loads, in a fresh process
@@ -123,7 +117,7 @@ def test_the_int8_kernel_is_chosen_by_name_and_refuses_others():
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, XATTN_INT8_KERNEL="avx-512"),
                          capture_output=True, text=True, timeout=600)
     assert out.stdout.strip() == chosen, out.stderr[-2000:]
-    assert "XATTN_INT8_KERNEL='avx-512': expected avx2 or vnni; using " + chosen in out.stderr
+    assert "XATTN_INT8_KERNEL='avx-512': expected avx2, vnni or amx; using " + chosen in out.stderr
 
 
 def test_leading_dimensions_are_kept_and_bad_input_is_refused():

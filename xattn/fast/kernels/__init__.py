@@ -97,8 +97,9 @@ def matvec_int8(x: torch.Tensor, blocks: torch.Tensor, n: int, scale: torch.Tens
 
 
 def int8_kernel(use: str | None = None) -> str:
-    """The int8 products' kernel, "vnni" (AVX-512 VNNI, where the CPU has it) or "avx2", switched to `use` first
-    where given: the same int32 sums, so the same results (XATTN_INT8_KERNEL=avx2 picks AVX2 at start)."""
+    """The int8 products' kernel, "amx" (AMX-INT8 from 8 rows, VNNI below), "vnni" (AVX-512 VNNI) or "avx2", the
+    best the CPU has unless switched to `use` first: the same int32 sums, so the same results (XATTN_INT8_KERNEL=avx2
+    picks AVX2 at start)."""
     if not available():
         raise RuntimeError("xattn's kernels are not available here (see kernels.available)")
     _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(use)
@@ -107,7 +108,7 @@ def int8_kernel(use: str | None = None) -> str:
 
 @contextlib.contextmanager
 def using_int8_kernel(use: str) -> Iterator[None]:
-    """int8 products through kernel `use` ("avx2" or "vnni") inside the block, the one before restored after."""
+    """int8 products through kernel `use` ("avx2", "vnni" or "amx") inside the block, the one before restored after."""
     before = int8_kernel()
     int8_kernel(use)
     try:
@@ -117,8 +118,9 @@ def using_int8_kernel(use: str) -> Iterator[None]:
 
 
 def int8_kernel_is_vnni() -> bool:
-    """int8_kernel() == "vnni", read from Python (no op call, so that torch.compile traces it)."""
-    return available() and _state["int8_kernel"] == "vnni"
+    """Whether int8_kernel() runs AVX-512 VNNI ("vnni", or "amx", which runs VNNI below 8 rows), read from Python
+    (no op call, so that torch.compile traces it)."""
+    return available() and _state["int8_kernel"] in ("vnni", "amx")
 
 
 def decoder_layers(hidden, norm_weight, norm_bias, weights, scales, biases, packed, keys, values, cross_keys,
@@ -194,13 +196,14 @@ def _load() -> bool:
                       stacklevel=3)
         return False
     _register_fake()
-    _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(None)  # VNNI where the CPU has it
+    _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(None)  # AMX or VNNI where the CPU has it
     asked = os.environ.get("XATTN_INT8_KERNEL")
     if asked:
         try:
             _state["int8_kernel"] = torch.ops.xattn_kernels.int8_kernel(asked)
-        except RuntimeError:  # a typo, or VNNI asked of a CPU without it
-            why = "this CPU has no AVX-512 VNNI" if asked == "vnni" else "expected avx2 or vnni"
+        except RuntimeError:  # a typo, or a kernel asked of a CPU without it
+            why = {"vnni": "this CPU has no AVX-512 VNNI", "amx": "this CPU (or its OS) gives no AMX-INT8"}.get(
+                asked, "expected avx2, vnni or amx")
             warnings.warn(f"XATTN_INT8_KERNEL={asked!r}: {why}; using {_state['int8_kernel']}", stacklevel=3)
     return True
 

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -68,15 +70,18 @@ at::Tensor matvec_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t N,
   return run(x, blocks, N, K, scale.data_ptr<float>(), bias);
 }
 
-// The int8 kernel products use ("vnni" or "avx2"), switched to `use` first where given ("vnni" only where the CPU
-// has AVX-512 VNNI): both give the same results, and tests compare them.
+// The int8 kernel products use ("amx", "vnni" or "avx2"), switched to `use` first where given (each only where the
+// CPU has it): all give the same results, and tests compare them.
 std::string int8_kernel(const c10::optional<std::string>& use) {
+  const char* names[] = {"avx2", "vnni", "amx"};
   if (use.has_value()) {
-    TORCH_CHECK(*use == "avx2" || *use == "vnni", "use: expected 'avx2' or 'vnni', got '", *use, "'");
-    TORCH_CHECK(*use == "avx2" || xattn::vnni_supported(), "use: this CPU has no AVX-512 VNNI");
-    xattn::int8_kernel().store(*use == "vnni" ? 1 : 0);
+    const auto kernel = std::find(std::begin(names), std::end(names), *use) - std::begin(names);
+    TORCH_CHECK(kernel < 3, "use: expected 'avx2', 'vnni' or 'amx', got '", *use, "'");
+    TORCH_CHECK(kernel != 1 || xattn::vnni_supported(), "use: this CPU has no AVX-512 VNNI");
+    TORCH_CHECK(kernel != 2 || xattn::amx_supported(), "use: this CPU (or its OS) gives no AMX-INT8");
+    xattn::int8_kernel().store(static_cast<int>(kernel));
   }
-  return xattn::int8_kernel().load() == 1 ? "vnni" : "avx2";
+  return names[xattn::int8_kernel().load()];
 }
 
 }  // namespace

@@ -9,12 +9,16 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -407,11 +411,137 @@ XATTN_VNNI inline void product_int8_vnni(const int8_t* xq, int64_t M, const Weig
   });
 }
 
-// Which int8 kernel products use: 1 AVX-512 VNNI, 0 AVX2; the same int32 sums either way, so the same results. VNNI
-// where the CPU has it; XATTN_INT8_KERNEL (read in Python when the library loads) and tests switch it through
-// xattn_kernels::int8_kernel.
+// The same int32 sums on AMX, where the CPU has it (Intel Sapphire Rapids on): tdpbssd multiplies signed bytes by
+// signed bytes, a tile of 8 weight rows x 32 columns (one block step, read in place: 8 rows 32 bytes apart) by 32
+// columns of 16 activation rows (laid out per call as the instruction wants them: [8 groups of 4 columns][16 rows][4])
+// into 8 x 16 int32 sums, 4096 products an instruction where VNNI does 64. From ~8 rows on VNNI is bound by its
+// multiplies and AMX by the weight stream. The tile instructions are written in asm, each with a memory clobber (the
+// compiler must not move loads and stores of the buffers across them), so no target flag is needed to build them.
+#define XATTN_TILE_LOAD(t, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define XATTN_TILE_STORE(t, base, stride) \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define XATTN_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
+#define XATTN_TILE_DOTS(c, a, b) asm volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+
+// Whether the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25) and Linux gives this process the tile
+// state, which it does only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; oneDNN asks the same).
+inline bool amx_supported() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!vnni_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+      return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+}
+
+constexpr int64_t kAmxRows = 16;  // activation rows per tile (one int32 lane each)
+constexpr int64_t kAmxFrom = 8;   // rows from which products run on AMX (below, VNNI: one weight stream either way)
+
+// The tiles: 0, 1 weights (8 rows x 32 bytes), 2, 3 activations (8 x 64), 4-7 sums (8 x 64: 8 weight rows x 16
+// activation rows). A thread loads this once before its tiles and releases the tile state after.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {32, 32, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {8, 8, 8, 8, 8, 8, 8, 8};
+};
+
+// x's quantized rows as the activation tiles: per group of 16 rows and block step of 32 columns, 512 bytes
+// [8][16][4]: row k of the tile holds columns 4k .. 4k + 3 of each of the 16 rows (zeros past M).
+inline std::vector<int8_t> amx_activations(const int8_t* xq, int64_t M, int64_t K32) {
+  const int64_t groups = (M + kAmxRows - 1) / kAmxRows, steps = K32 / kBytes;
+  std::vector<int8_t> tiles(groups * steps * 512, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* group = tiles.data() + (m / kAmxRows) * steps * 512 + (m % kAmxRows) * 4;
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t k = 0; k < 8; ++k) std::memcpy(group + s * 512 + k * 64, xq + m * K32 + s * kBytes + 4 * k, 4);
+  }
+  return tiles;
+}
+
+// The int32 sums of Blocks (1 or 2) weight blocks from `block` with Groups (1 or 2) activation tiles from `x`, over
+// every step: sums [Blocks x Groups][8][16], block-major.
+constexpr int64_t kAhead = 4;  // block steps the weight is prefetched ahead
+
+template <int Blocks, int Groups>
+void amx_sums(const int8_t* block, int64_t K32, const int8_t* x, int64_t steps, int32_t* sums) {
+  const int8_t* block2 = block + kRows * K32;
+  const int8_t* x2 = x + steps * 512;
+  XATTN_TILE_ZERO(4);
+  if constexpr (Blocks > 1) XATTN_TILE_ZERO(5);
+  if constexpr (Groups > 1) XATTN_TILE_ZERO(6);
+  if constexpr (Blocks > 1 && Groups > 1) XATTN_TILE_ZERO(7);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s + kAhead < steps)
+      for (int64_t line = 0; line < kRows * kBytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(block + (s + kAhead) * kRows * kBytes + line), _MM_HINT_T0);
+        if constexpr (Blocks > 1)
+          _mm_prefetch(reinterpret_cast<const char*>(block2 + (s + kAhead) * kRows * kBytes + line), _MM_HINT_T0);
+      }
+    XATTN_TILE_LOAD(0, block + s * kRows * kBytes, kBytes);
+    XATTN_TILE_LOAD(2, x + s * 512, 64);
+    XATTN_TILE_DOTS(4, 0, 2);
+    if constexpr (Blocks > 1) {
+      XATTN_TILE_LOAD(1, block2 + s * kRows * kBytes, kBytes);
+      XATTN_TILE_DOTS(5, 1, 2);
+    }
+    if constexpr (Groups > 1) {
+      XATTN_TILE_LOAD(3, x2 + s * 512, 64);
+      XATTN_TILE_DOTS(6, 0, 3);
+      if constexpr (Blocks > 1) XATTN_TILE_DOTS(7, 1, 3);
+    }
+  }
+  XATTN_TILE_STORE(4, sums, 64);
+  if constexpr (Blocks > 1) XATTN_TILE_STORE(5, sums + 128, 64);
+  if constexpr (Groups > 1) XATTN_TILE_STORE(6, sums + Blocks * 128, 64);
+  if constexpr (Blocks > 1 && Groups > 1) XATTN_TILE_STORE(7, sums + 3 * 128, 64);
+}
+
+inline void product_int8_amx(const int8_t* xq, int64_t M, const Weight& w, int64_t K32, const float* xs, float* y,
+                             Store how) {
+  const int64_t N = w.N, blocks = (N + kRows - 1) / kRows, steps = K32 / kBytes;
+  const int64_t groups = (M + kAmxRows - 1) / kAmxRows;
+  const std::vector<int8_t> x = amx_activations(xq, M, K32);
+  const int8_t* weight = static_cast<const int8_t*>(w.data);
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    const TileConfig config;
+    asm volatile("ldtilecfg %0" ::"m"(config) : "memory");
+    alignas(64) int32_t sums[4 * kRows * kAmxRows];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b0 = 2 * pair, pair_blocks = std::min<int64_t>(2, blocks - b0);
+      const int8_t* block = weight + b0 * kRows * K32;
+      for (int64_t g0 = 0; g0 < groups; g0 += 2) {
+        const int64_t pair_groups = std::min<int64_t>(2, groups - g0);
+        const int8_t* xg = x.data() + g0 * steps * 512;
+        if (pair_blocks == 2 && pair_groups == 2) amx_sums<2, 2>(block, K32, xg, steps, sums);
+        else if (pair_blocks == 2) amx_sums<2, 1>(block, K32, xg, steps, sums);
+        else if (pair_groups == 2) amx_sums<1, 2>(block, K32, xg, steps, sums);
+        else amx_sums<1, 1>(block, K32, xg, steps, sums);
+        // row by row of y, each row's up to 16 columns together: y's rows may be a multiple of 4 KB apart, and
+        // 16 of them written a column at a time would all fall in one set of the L1 cache
+        for (int64_t j = 0; j < pair_groups; ++j)
+          for (int64_t m = (g0 + j) * kAmxRows; m < std::min((g0 + j + 1) * kAmxRows, M); ++m)
+            for (int64_t i = 0; i < pair_blocks; ++i) {
+              const int32_t* tile = sums + (j * pair_blocks + i) * kRows * kAmxRows + m % kAmxRows;
+              const int64_t n0 = (b0 + i) * kRows;
+              for (int64_t r = 0; r < std::min(kRows, N - n0); ++r) {  // the same float steps as block_int8's
+                const int64_t n = n0 + r;
+                const float scaled = float(tile[r * kAmxRows]) * xs[m];
+                store(y + m * N + n, w.bias ? std::fma(scaled, w.scale[n], w.bias[n]) : scaled * w.scale[n], how);
+              }
+            }
+      }
+    }
+    asm volatile("tilerelease" ::: "memory");
+  });
+}
+
+// Which int8 kernel products use: 2 AMX (from kAmxFrom rows; VNNI below), 1 AVX-512 VNNI, 0 AVX2; the same int32 sums
+// each way, so the same results. The best the CPU has; XATTN_INT8_KERNEL (read in Python when the library loads) and
+// tests switch it through xattn_kernels::int8_kernel.
 inline std::atomic<int>& int8_kernel() {
-  static std::atomic<int> kernel{vnni_supported() ? 1 : 0};
+  static std::atomic<int> kernel{amx_supported() ? 2 : vnni_supported() ? 1 : 0};
   return kernel;
 }
 
@@ -423,7 +553,9 @@ inline void product_int8(const float* x, int64_t M, const Weight& w, float* y, S
   const int8_t* q = xq.data();
   const float* xs = x_scale.data();
   // one row streams the weight either way, and AVX2's kernel does it without the row sums' extra products
-  if (M > 1 && int8_kernel().load(std::memory_order_relaxed) == 1) return product_int8_vnni(q, M, w, K32, xs, y, how);
+  const int kernel = int8_kernel().load(std::memory_order_relaxed);
+  if (kernel == 2 && M >= kAmxFrom) return product_int8_amx(q, M, w, K32, xs, y, how);
+  if (M > 1 && kernel >= 1) return product_int8_vnni(q, M, w, K32, xs, y, how);
   const int8_t* weight = static_cast<const int8_t*>(w.data);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
