@@ -323,21 +323,22 @@ ENCODER_CASES = [  # (int8, change, message)
 
 
 def bf16_encoder_args():
-    """bfloat16 weights: two more workspace tensors, flat, for the products' bfloat16 inputs and outputs."""
+    """bfloat16 weights: a workspace of two bfloat16 tensors [M, D], the products' inputs and outputs."""
     args = encoder_args()
     args["weights"] = [w.bfloat16() for w in args["weights"]]
-    args["workspace"] += [torch.empty(M * max(D, F_VIT), dtype=torch.bfloat16),
-                          torch.empty(M * max(3 * D, F_VIT), dtype=torch.bfloat16)]
+    args["workspace"] = [torch.empty(M, D, dtype=torch.bfloat16) for _ in range(2)]
     return args
 
 
 BF16_ENCODER_CASES = [  # (change, message)
     pytest.param(_replace("weights", 1, lambda: _randn(D, D)), r"weights\[1\] \(layer 0 out \[N, K\]\): expected a "
                  r"contiguous CPU bfloat16", id="one fp32 weight among bfloat16"),
-    pytest.param(_edit("workspace", lambda w: w[:5]), r"workspace: expected 7 tensors", id="no bfloat16 workspace"),
-    pytest.param(_replace("workspace", 6, lambda: torch.empty(M * 3 * D - 1, dtype=torch.bfloat16)),
-                 r"workspace\[6\] \(bfloat16 outputs\)", id="outputs one short"),
-    pytest.param(_replace("workspace", 5, lambda: torch.empty(M * F_VIT)), r"workspace\[5\] \(bfloat16 inputs\)",
+    pytest.param(_replace("weights", 2, lambda: _randn(F_VIT).bfloat16()), r"weights\[2\] \(layer 0 fc1 \[F, D\]\)",
+                 id="fc1 weight 1-d"),
+    pytest.param(_edit("workspace", lambda w: w[:1]), r"workspace: expected 2 tensors", id="one bfloat16 workspace"),
+    pytest.param(_replace("workspace", 1, lambda: torch.empty(M - 1, D, dtype=torch.bfloat16)),
+                 r"workspace\[1\] \(bfloat16 outputs", id="outputs one row short"),
+    pytest.param(_replace("workspace", 0, lambda: torch.empty(M, D)), r"workspace\[0\] \(bfloat16 inputs",
                  id="fp32 inputs"),
 ]
 

@@ -105,11 +105,15 @@ def test_unsupported_encoders_are_refused_by_name():
 
 
 def bf16_layers(model: ViTModel, pixels: torch.Tensor) -> torch.Tensor:
-    """The bf16 kind's math written out with torch's ops: each product's input rounded to bfloat16 and its sums
-    rounded once, the qkv bias added before Q, K, V are rounded, attention over bfloat16 Q, K, V (torch's), the other
-    biases, the norms, GELU and the residual sums in fp32."""
+    """The bf16 kind's math written out with torch's ops: each product's input rounded to bfloat16; out and fc2's
+    sums rounded once, their biases and the residual sums in fp32; qkv's sums + bias, and fc1's GELU(sums + bias),
+    rounded once to bfloat16 (Q, K, V and fc2's input); attention over bfloat16 Q, K, V (torch's); the norms in
+    fp32."""
     def product(x, linear):
         return F.linear(x.bfloat16(), linear.weight.bfloat16()).float() + linear.bias
+
+    def biased(x, linear):  # the sums in fp32 (exact products of bfloat16 values), the bias added before rounding
+        return F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
 
     hidden = model.embeddings(pixels)
     batch, positions, width = hidden.shape
@@ -118,11 +122,11 @@ def bf16_layers(model: ViTModel, pixels: torch.Tensor) -> torch.Tensor:
         (*qkv, out, fc1, fc2) = (modules[name] for group in _PROJECTIONS[_naming(layer)]
                                  for name in ([group] if isinstance(group, str) else group))
         x = layer.layernorm_before(hidden)
-        q, k, v = (product(x, m).bfloat16().view(batch, positions, -1, width // model.config.num_attention_heads)
+        q, k, v = (biased(x, m).bfloat16().view(batch, positions, -1, width // model.config.num_attention_heads)
                    .transpose(1, 2) for m in qkv)
         context = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, positions, width)
         hidden = hidden + product(context, out)
-        inner = F.gelu(product(layer.layernorm_after(hidden), fc1))
+        inner = F.gelu(biased(layer.layernorm_after(hidden), fc1)).bfloat16()
         hidden = hidden + product(inner, fc2)
     return model.layernorm(hidden)
 

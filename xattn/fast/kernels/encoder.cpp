@@ -10,11 +10,13 @@
 // Per layer: h += out(attention(qkv(ln_before(h)))); h += fc2(gelu(fc1(ln_after(h)))).
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "bf16.h"
@@ -27,7 +29,6 @@ namespace {
 using xattn::add_bias;
 using xattn::bf16_data;
 using xattn::kPanel;
-using xattn::round_span;
 using xattn::Store;
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
@@ -136,14 +137,6 @@ at::Tensor matrix(const at::Tensor& flat, int64_t rows, int64_t cols) {
 // rate. The passes between fp32 and bfloat16 around them are written here, each one sweep over rows in parallel:
 // torch's mixed-dtype add and its copies cost as much as the products themselves.
 
-// out [M, K] bfloat16 = in [M, K] fp32, rounded
-void round_rows(const at::Tensor& in, const at::Tensor& out) {
-  const float* x = in.data_ptr<float>();
-  uint16_t* y = bf16_data(out);
-  at::parallel_for(0, in.numel(), 4096,
-                   [&](int64_t begin, int64_t end) { round_span(x + begin, end - begin, y + begin); });
-}
-
 // out [M, N] fp32 = (or +=) in [M, N] bfloat16 + bias [N]
 void widen_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& out, Store how) {
   const int64_t N = out.size(1);
@@ -153,64 +146,52 @@ void widen_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& 
   });
 }
 
-// out [M, N] bfloat16 = GELU(in [M, N] bfloat16 + bias [N]) (fc2's input), 8 rows at a time through fp32 rows in L2.
-void gelu_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& out) {
-  constexpr int64_t kRows = 8;
-  const int64_t M = out.size(0), N = out.size(1);
-  at::parallel_for(0, (M + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
-    // a plain tensor of this thread's: the workspace may be an inference tensor, which a worker may not update
-    at::Tensor rows = at::empty({kRows, N}, at::kFloat);
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t m0 = block * kRows, count = std::min(kRows, M - m0);
-      at::Tensor part = rows.narrow(0, 0, count);
-      widen_rows(in.narrow(0, m0, count), bias, part, Store::kSet);  // in a parallel region: inline, this thread
-      at::gelu_(part);  // torch's exact (erf) GELU
-      round_span(part.data_ptr<float>(), count * N, bf16_data(out) + m0 * N);
-    }
-  });
+// oneDNN's linear over bfloat16 x [M, K] and weight [N, K] with the fp32 bias, and GELU where asked, fused
+// (mkldnn::_linear_pointwise, in torch's x86 builds): the sums, the bias and the GELU in fp32, rounded once to the
+// bfloat16 result, where a product rounded to bfloat16 and a sweep adding the bias (and GELU) would round twice and
+// read and write the result once more.
+at::Tensor biased_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool gelu) {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                               c10::string_view, c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
+  static const std::optional<c10::TypedOperatorHandle<Signature>> fused = []() -> decltype(fused) {
+    const auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+    if (!handle.has_value() || !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return std::nullopt;
+    return handle->typed<Signature>();
+  }();
+  TORCH_CHECK(fused.has_value(), "bfloat16 encoder layers need oneDNN's fused linear (mkldnn::_linear_pointwise), "
+              "which this torch build lacks: use the int8 or packed encoder");
+  return fused->call(x, weight, bias, gelu ? "gelu" : "none", c10::List<std::optional<at::Scalar>>(), "none");
 }
 
-// out [M, N] bfloat16 = in [M, N] bfloat16 + bias [N] (fp32), rounded once, in place where out is in
-void bias_rows(const at::Tensor& in, const at::Tensor& bias, const at::Tensor& out) {
-  const int64_t N = out.size(1);
-  at::parallel_for(0, out.size(0), 8, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      add_bias(bf16_data(in) + m * N, bias.data_ptr<float>(), N, bf16_data(out) + m * N);
-  });
-}
-
-// h += out(attention(qkv(x))) with bfloat16 products and torch's attention over bfloat16 Q, K, V (its flash
-// attention, fp32 sums and softmax; oneDNN's tiles where the CPU has AMX), the qkv bias added before Q, K, V are
-// rounded. inputs/outputs: the flat bfloat16 workspace; torch gives the attention's output fresh memory.
+// h += out(attention(qkv(x))) over x [M, D] in bfloat16, with bfloat16 products and torch's attention over bfloat16
+// Q, K, V (its flash attention, fp32 sums and softmax; oneDNN's tiles where the CPU has AMX), the qkv bias added
+// before Q, K, V are rounded. out [M, D]: the out projection's bfloat16 result; oneDNN and torch give Q, K, V and
+// the attention's output fresh memory.
 void bf16_attention_block(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& qkv_bias,
                           const at::Tensor& out_weight, const at::Tensor& out_bias, int64_t B, int64_t S, int64_t H,
-                          const at::Tensor& inputs, const at::Tensor& outputs, const at::Tensor& h) {
+                          at::Tensor& out, const at::Tensor& h) {
   const int64_t M = B * S, D = h.size(1), hd = D / H;
-  at::Tensor x_bf16 = matrix(inputs, M, D), qkv = matrix(outputs, M, 3 * D);
-  round_rows(x, x_bf16);
-  at::mm_out(qkv, x_bf16, qkv_weight.t());
-  bias_rows(qkv, qkv_bias, qkv);
+  const at::Tensor qkv = biased_product(x, qkv_weight, qkv_bias, false);
   const at::Tensor heads = qkv.view({B, S, 3, H, hd});
   const at::Tensor ctx = at::scaled_dot_product_attention(heads.select(2, 0).transpose(1, 2),
                                                           heads.select(2, 1).transpose(1, 2),
                                                           heads.select(2, 2).transpose(1, 2));
   // [B, H, S, hd] as rows [M, D]: torch's output is laid out in row order already (otherwise reshape copies)
   const at::Tensor ctx_rows = ctx.transpose(1, 2).reshape({M, D});
-  at::Tensor out = matrix(outputs, M, D);
   at::mm_out(out, ctx_rows, out_weight.t());
   widen_rows(out, out_bias, h, Store::kAdd);
 }
 
 // Runs hidden [B, S, D] through every layer in place. Per layer, four projections (qkv [3D, D], out [D, D],
 // fc1 [F, D], fc2 [D, F]): fbgemm's prepacked int8 ones (`packed`, biases inside), else fp32 or bfloat16 `weights`
-// [N, K] with fp32 `biases` [N]. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace: x [M, D],
-// qkv [M, 3D], ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by fp32 weights only: int8
-// ones run the MLP and the residual sums block by block); bfloat16 weights use x alone of these and add two flat
-// bfloat16 tensors, the products' inputs [M * max(D, F)] and outputs [M * max(3D, F)]: each product's input is
-// rounded to bfloat16, attention runs over bfloat16 Q, K, V, and the norms, biases, GELU and the residual stream stay
-// fp32 (bf16_attention_block, gelu_rows). Every argument is checked before
-// hidden is written, except the int8 products' widths, which fbgemm's packed weights tell only by their bias (checked
-// first) or their product.
+// [N, K] with fp32 `biases` [N]. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace, for fp32
+// and int8 weights: x [M, D], qkv [M, 3D], ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by
+// fp32 weights only: int8 ones run the MLP and the residual sums block by block). For bfloat16 weights: the products'
+// bfloat16 inputs and outputs [M, D] (the wider results, Q, K, V and fc2's input, are oneDNN's fresh tensors): the
+// norms' outputs and so each product's input are rounded to bfloat16, attention runs over bfloat16 Q, K, V, the
+// biases and GELU are added in fp32 before a result is rounded, and the residual stream stays fp32
+// (bf16_attention_block, biased_product). Every argument is checked before hidden is written, except the int8
+// products' widths, which fbgemm's packed weights tell only by their bias (checked first) or their product.
 void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
                     at::TensorList weights, at::TensorList biases, const std::vector<Packed>& packed, int64_t heads,
                     double eps, at::TensorList workspace) {
@@ -222,16 +203,28 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   xattn::check_tensor(norm_weight, at::kFloat, {L, 2, D}, "norm_weight [L, 2, D]");
   xattn::check_tensor(norm_bias, at::kFloat, {L, 2, D}, "norm_bias [L, 2, D]");
   const bool bf16 = !weights.empty() && weights[0].scalar_type() == at::kBFloat16;
-  const size_t spaces = bf16 ? 7 : 5;
-  TORCH_CHECK(workspace.size() == spaces, "workspace: expected ", spaces, " tensors (x, qkv, ctx, tmp, ff",
-              bf16 ? ", bfloat16 inputs, bfloat16 outputs" : "", "), got ", workspace.size());
-  xattn::check_kind(workspace[4], at::kFloat, 2, true, "workspace[4] (ff [M, F])");
-  const int64_t F = workspace[4].size(1);
-  TORCH_CHECK(F > 0, "workspace[4] (ff [M, F]): expected F > 0, got ", xattn::describe(workspace[4]));
-  const char* names[] = {"x [M, D]", "qkv [M, 3D]", "ctx [M, D]", "tmp [M, D]", "ff [M, F]"};
-  const int64_t widths[] = {D, 3 * D, D, D, F};
-  for (int i = 0; i < 5; ++i)
-    xattn::check_tensor(workspace[i], at::kFloat, {M, widths[i]}, "workspace[", i, "] (", names[i], ", M = B * S)");
+  int64_t F;
+  if (bf16) {
+    TORCH_CHECK(workspace.size() == 2, "workspace: expected 2 tensors with bfloat16 weights (the products' "
+                "bfloat16 inputs and outputs), got ", workspace.size());
+    xattn::check_tensor(workspace[0], at::kBFloat16, {M, D}, "workspace[0] (bfloat16 inputs [M, D], M = B * S)");
+    xattn::check_tensor(workspace[1], at::kBFloat16, {M, D}, "workspace[1] (bfloat16 outputs [M, D], M = B * S)");
+    TORCH_CHECK(weights.size() > 2 && weights[2].dim() == 2 && weights[2].size(0) > 0,
+                "weights[2] (layer 0 fc1 [F, D]): expected a 2-d weight, got ",
+                weights.size() > 2 ? xattn::describe(weights[2]) : std::string("none"));
+    F = weights[2].size(0);
+  } else {
+    TORCH_CHECK(workspace.size() == 5, "workspace: expected 5 tensors (x, qkv, ctx, tmp, ff), got ",
+                workspace.size());
+    xattn::check_kind(workspace[4], at::kFloat, 2, true, "workspace[4] (ff [M, F])");
+    F = workspace[4].size(1);
+    TORCH_CHECK(F > 0, "workspace[4] (ff [M, F]): expected F > 0, got ", xattn::describe(workspace[4]));
+    const char* names[] = {"x [M, D]", "qkv [M, 3D]", "ctx [M, D]", "tmp [M, D]", "ff [M, F]"};
+    const int64_t widths[] = {D, 3 * D, D, D, F};
+    for (int i = 0; i < 5; ++i)
+      xattn::check_tensor(workspace[i], at::kFloat, {M, widths[i]}, "workspace[", i, "] (", names[i],
+                          ", M = B * S)");
+  }
   const char* roles[] = {"qkv", "out", "fc1", "fc2"};
   const int64_t in_widths[] = {D, D, D, F}, out_widths[] = {3 * D, D, F, D};
   const bool int8 = !packed.empty();
@@ -258,16 +251,28 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
                           roles[i % 4], ")");
     }
   }
-  if (bf16) {
-    xattn::check_tensor(workspace[5], at::kBFloat16, {M * std::max(D, F)}, "workspace[5] (bfloat16 inputs)");
-    xattn::check_tensor(workspace[6], at::kBFloat16, {M * std::max(3 * D, F)}, "workspace[6] (bfloat16 outputs)");
-  }
-  at::Tensor x = workspace[0], qkv = workspace[1], ctx = workspace[2], tmp = workspace[3], ff = workspace[4];
 
   at::Tensor h = hidden.view({M, D});
   float* hp = h.data_ptr<float>();
   const float* gammas = norm_weight.data_ptr<float>();
   const float* betas = norm_bias.data_ptr<float>();
+  if (bf16) {  // the norms write the products' bfloat16 inputs directly
+    const at::Tensor in_bf16 = workspace[0];
+    at::Tensor out_bf16 = workspace[1];
+    for (int64_t l = 0; l < L; ++l) {
+      const float* gamma = gammas + l * 2 * D;
+      const float* beta = betas + l * 2 * D;
+      xattn::layer_norm(hp, M, D, gamma, beta, eps, bf16_data(in_bf16));
+      bf16_attention_block(in_bf16, weights[4 * l], biases[4 * l], weights[4 * l + 1], biases[4 * l + 1], B, S,
+                           heads, out_bf16, h);
+      xattn::layer_norm(hp, M, D, gamma + D, beta + D, eps, bf16_data(in_bf16));
+      const at::Tensor inner = biased_product(in_bf16, weights[4 * l + 2], biases[4 * l + 2], true);
+      at::mm_out(out_bf16, inner, weights[4 * l + 3].t());
+      widen_rows(out_bf16, biases[4 * l + 3], h, Store::kAdd);
+    }
+    return;
+  }
+  at::Tensor x = workspace[0], qkv = workspace[1], ctx = workspace[2], tmp = workspace[3], ff = workspace[4];
   const int64_t hd = D / heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   // out (+)= the projection i of in
@@ -281,26 +286,12 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
     const float* gamma = gammas + l * 2 * D;
     const float* beta = betas + l * 2 * D;
     xattn::layer_norm(hp, M, D, gamma, beta, eps, x.data_ptr<float>());
-    if (bf16) {
-      bf16_attention_block(x, weights[4 * l], biases[4 * l], weights[4 * l + 1], biases[4 * l + 1], B, S, heads,
-                           workspace[5], workspace[6], h);
-    } else {
-      project(4 * l, x, qkv, Store::kSet);
-      attention(qkv.data_ptr<float>(), B, S, heads, hd, scale, ctx.data_ptr<float>());
-      project(4 * l + 1, ctx, h, Store::kAdd);
-    }
+    project(4 * l, x, qkv, Store::kSet);
+    attention(qkv.data_ptr<float>(), B, S, heads, hd, scale, ctx.data_ptr<float>());
+    project(4 * l + 1, ctx, h, Store::kAdd);
     xattn::layer_norm(hp, M, D, gamma + D, beta + D, eps, x.data_ptr<float>());
     if (int8) {
       int8_mlp(packed, 4 * l + 2, x, h, F);
-    } else if (bf16) {  // fc1's bias, GELU and fc2's input in one sweep
-      at::Tensor in_bf16 = matrix(workspace[5], M, D), inner = matrix(workspace[6], M, F);
-      round_rows(x, in_bf16);
-      at::mm_out(inner, in_bf16, weights[4 * l + 2].t());
-      const at::Tensor gelu_bf16 = matrix(workspace[5], M, F);
-      gelu_rows(inner, biases[4 * l + 2], gelu_bf16);
-      at::Tensor out_bf16 = matrix(workspace[6], M, D);
-      at::mm_out(out_bf16, gelu_bf16, weights[4 * l + 3].t());
-      widen_rows(out_bf16, biases[4 * l + 3], h, Store::kAdd);
     } else {
       project(4 * l + 2, x, ff, Store::kSet);
       at::gelu_(ff);  // exact (erf) GELU, in place

@@ -10,13 +10,16 @@
 #include <cstdint>
 #include <limits>
 
+#include "bf16.h"
 #include "products.h"
 
 namespace xattn {
 
-// Rows in parallel (from 4 rows on); float sums in 8 lanes, the variance from a second pass as torch does.
+// Rows in parallel (from 4 rows on); float sums in 8 lanes, the variance from a second pass as torch does. y: float,
+// or bfloat16 (uint16_t: the float result rounded) for a bfloat16 product's input.
+template <typename Out>
 inline void layer_norm(const float* x, int64_t rows, int64_t D, const float* gamma, const float* beta, double eps,
-                       float* y) {
+                       Out* y) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* xm = x + m * D;
@@ -35,7 +38,7 @@ inline void layer_norm(const float* x, int64_t rows, int64_t D, const float* gam
       float var = hsum(acc);
       for (int64_t d = d8; d < D; ++d) var += (xm[d] - mean) * (xm[d] - mean);
       const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(var) / D + eps));
-      for (int64_t d = 0; d < D; ++d) y[m * D + d] = (xm[d] - mean) * inv * gamma[d] + beta[d];
+      for (int64_t d = 0; d < D; ++d) store1(y + m * D + d, (xm[d] - mean) * inv * gamma[d] + beta[d]);
     }
   });
 }
