@@ -140,6 +140,38 @@ def test_leading_dimensions_are_kept_and_bad_input_is_refused():
         kernels.matvec_int8(torch.randn(1, 16), blocks, 5, torch.ones(4))
 
 
+def _argmax_rows_cases():
+    generator = torch.Generator().manual_seed(12)
+    logits = torch.randn(16, 50257, generator=generator)
+    yield "gpt-2 logits", logits
+    ties = torch.randint(0, 3, (9, 4099), generator=generator).float()  # many equal largest values
+    yield "ties", ties
+    rows = torch.randn(6, 100, generator=generator)
+    rows[0, 7] = rows[0, 70] = float("nan")  # the first NaN wins, as in torch
+    rows[1, 99] = float("nan")  # in the tail
+    rows[2] = float("-inf")
+    rows[3, 40] = float("inf")
+    rows[4] = 0.0
+    rows[4, 3] = -0.0  # equal to 0.0: the first index
+    rows[5, 65:] = rows[5].max() + 1  # the largest value repeated in every lane
+    yield "special values", rows
+    for width in (1, 7, 31, 32, 33, 65):  # below, at and past one round of the four 8-lane chains
+        yield f"width {width}", torch.randn(3, width, generator=generator)
+    yield "no rows", torch.randn(0, 40)
+
+
+@pytest.mark.parametrize("name,scores", list(_argmax_rows_cases()), ids=[n for n, _ in _argmax_rows_cases()])
+def test_argmax_rows_is_torchs_argmax(name, scores):
+    assert torch.equal(kernels.argmax_rows(scores), torch.argmax(scores, dim=-1))
+
+
+def test_argmax_rows_refuses_what_it_does_not_take():
+    for scores, message in ((torch.randn(4, 8).double(), "scores"), (torch.randn(8), "scores"),
+                            (torch.randn(8, 4).t(), "scores"), (torch.randn(3, 0), "0 < V")):
+        with pytest.raises(RuntimeError, match=message):
+            kernels.argmax_rows(scores)
+
+
 def test_without_the_kernel_the_formats_fall_back_and_give_the_same_tokens(tmp_path):
     script = f"""
 import torch, sys, xattn

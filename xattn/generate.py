@@ -22,6 +22,9 @@ DecodeStep = Callable[[torch.Tensor, CrossAttentionCache], torch.Tensor]
 # (tokens [B], cache, forbidden ids [F]) -> the next greedy tokens [B]: a decode step and its argmax
 GreedyStep = Callable[[torch.Tensor, CrossAttentionCache, torch.Tensor], torch.Tensor]
 
+# scores [B, V] -> the index of each row's largest value [B], as torch.argmax(scores, dim=-1)
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
 # (log_probs [B * beams, V], running scores [B, beams], keep) -> the keep best per input of log_probs + each beam's
 # score, as torch.topk over [B, beams * V] gives them (values, indices [B, keep]), or None to leave them to torch.topk
 BeamCandidates = Callable[[torch.Tensor, torch.Tensor, int], "tuple[torch.Tensor, torch.Tensor] | None"]
@@ -33,7 +36,9 @@ _NEG = -1.0e9  # the "impossible" score transformers' beam search uses (not -inf
 class GreedyDecoder:
     """One token per row and step (whisper's TokenDecoder); rows that emitted EOS get pad_token_id afterwards."""
 
-    def __init__(self, opts: GenerationOptions, prompt_length: int, rows: int, device: torch.device):
+    def __init__(self, opts: GenerationOptions, prompt_length: int, rows: int, device: torch.device,
+                 argmax: Argmax | None = None):
+        self.argmax = argmax or (lambda scores: torch.argmax(scores, dim=-1))  # a kernel's, where DecoderSteps has one
         self.eos = torch.tensor(opts.eos_token_id, dtype=torch.long, device=device)  # [E]
         self.min_length = MinNewTokens(prompt_length, opts.min_new_tokens, self.eos)  # also tells the fused argmax
         self.filters = build_filters(opts, self.min_length)
@@ -42,7 +47,7 @@ class GreedyDecoder:
         self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)  # [B]
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        return torch.argmax(scores, dim=-1)
+        return self.argmax(scores)
 
     def update(self, sequences: torch.Tensor, logits: torch.Tensor | None, chosen: torch.Tensor | None = None):
         """sequences [B, cur], logits [B, V] (or tokens [B] already chosen by a fused argmax) -> (tokens [B], done).
@@ -71,6 +76,7 @@ class SamplingDecoder(GreedyDecoder):
 def sample_stream(
     step: DecodeStep, cache: CrossAttentionCache, sequences: torch.Tensor, prompt_length: int, logits: torch.Tensor,
     opts: GenerationOptions, greedy_step: GreedyStep | None = None, logprobs: ChosenLogprobs | None = None,
+    argmax: Argmax | None = None,
 ) -> Iterator[torch.Tensor]:
     """Greedy or sampled tokens, one [B] tensor per step, written into sequences [B, prompt + max_new].
 
@@ -78,10 +84,11 @@ def sample_stream(
     when every row has stopped or max_new_tokens are out. Each step writes at the cache's own position (after
     any prefix of embeddings the prefill wrote, which has no token ids). greedy_step: used instead of step where
     the choice is a plain argmax (greedy, no filter but min-length): it returns the tokens, not the logits.
-    logprobs: filled with each chosen token's log-probability where every step gives logits.
+    logprobs: filled with each chosen token's log-probability where every step gives logits. argmax: the greedy
+    choice (DecoderSteps.argmax_rows; None: torch.argmax).
     """
     decoder = (SamplingDecoder if opts.do_sample else GreedyDecoder)(
-        opts, prompt_length, sequences.shape[0], sequences.device)
+        opts, prompt_length, sequences.shape[0], sequences.device, argmax)
     # the fused argmax takes the min-length rule as forbidden ids; any other filter needs the full scores
     fused_argmax = (greedy_step is not None and not opts.do_sample
                     and all(f is decoder.min_length for f in decoder.filters))

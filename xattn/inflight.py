@@ -31,7 +31,7 @@ import torch
 
 from .cache import CrossAttentionCache
 from .decoder import GPT2CrossAttentionDecoder
-from .generate import BeamCandidates, BeamSearchDecoder, GenerationOptions, GreedyDecoder, SamplingDecoder
+from .generate import Argmax, BeamCandidates, BeamSearchDecoder, GenerationOptions, GreedyDecoder, SamplingDecoder
 from .logprobs import ChosenLogprobs
 
 # inputs of one encoder call (Request.encoder_input of requests with equal encoder_key) ->
@@ -77,14 +77,14 @@ class _Search:
     tokens [k]), or None when it is over; result() -> (sequences, scores)."""
 
     def __init__(self, opts: GenerationOptions, prompt: torch.Tensor,  # prompt [k, P]
-                 candidates: BeamCandidates | None = None):
+                 candidates: BeamCandidates | None = None, argmax: Argmax | None = None):
         self.prompt_length, self.max_new = prompt.shape[1], opts.max_new_tokens
         if opts.num_beams > 1:
             self.beams = BeamSearchDecoder(opts, prompt, candidates)
             return
         self.beams, self.steps = None, 0
         self.decoder = (SamplingDecoder if opts.do_sample else GreedyDecoder)(
-            opts, self.prompt_length, prompt.shape[0], prompt.device)
+            opts, self.prompt_length, prompt.shape[0], prompt.device, argmax)
         self.sequences = prompt.new_full((prompt.shape[0], self.prompt_length + self.max_new), opts.pad_token_id or 0)
         self.sequences[:, :self.prompt_length] = prompt
         self.logprobs = ChosenLogprobs(prompt.shape[0], self.max_new, prompt.device)  # beams: hf/scores.py replays
@@ -250,7 +250,8 @@ class Scheduler:
             rows = run.stop - run.start
             prompt = run.handle.request.prompt[None].repeat_interleave(rows, dim=0)
             # prompt [rows, P], as generate expands it
-            run.search = _Search(run.handle.request.options, prompt, self.decoder.steps.beam_candidates)
+            run.search = _Search(run.handle.request.options, prompt, self.decoder.steps.beam_candidates,
+                                 self.decoder.steps.argmax_rows)
             self.running.append(run)
             if logits is not None and self._update(run, logits.repeat_interleave(rows, dim=0)):
                 finished.append(run.handle)

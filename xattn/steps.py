@@ -62,6 +62,9 @@ class DecoderSteps:
     # beam search's best candidates per step in one call, torch.topk's exactly (xattn.fast's kernel; None, or None
     # returned: torch's topk): generate.BeamCandidates
     beam_candidates: Callable | None = field(default=None, repr=False)
+    # greedy search's choice, torch.argmax's indices (xattn.fast's kernel for fp32 rows; None: torch.argmax):
+    # generate.Argmax
+    argmax_rows: Callable | None = field(default=None, repr=False)
 
 
 class ExactConv1D:

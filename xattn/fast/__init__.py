@@ -77,9 +77,17 @@ def decoder_steps(decoder: GPT2CrossAttentionDecoder, weights: str, cross_weight
         independent_rows=formats.independent_rows(weights),
         reorder_rows=kernels.reorder_rows if kernels.available() else None,
         beam_candidates=kernels.beam_candidates if kernels.available() else None,
+        argmax_rows=_argmax_rows if kernels.available() else None,
     )
     steps.rowwise = _rowwise(steps)
     return steps
+
+
+def _argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(scores, dim=-1): the kernel's for 2-d fp32 CPU rows, torch's for anything else."""
+    if scores.dim() == 2 and scores.dtype == torch.float32 and scores.device.type == "cpu" and scores.shape[1] > 0:
+        return kernels.argmax_rows(scores.contiguous())
+    return torch.argmax(scores, dim=-1)
 
 
 def _float16_cross_kv(transformer: nn.Module):

@@ -124,7 +124,8 @@ class XattnModel:
             logprobs = ChosenLogprobs(plan.sequences.shape[0], plan.opts.max_new_tokens, plan.sequences.device) \
                 if return_dict_in_generate else None
             steps = sample_stream(self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits,
-                                  plan.opts, greedy_step=self._greedy_step, logprobs=logprobs)
+                                  plan.opts, greedy_step=self._greedy_step, logprobs=logprobs,
+                                  argmax=self.decoder.steps.argmax_rows)
             generated = sum(1 for _ in steps)
             sequences = plan.sequences[:, : plan.prompt_length + generated]
         if return_dict_in_generate:
@@ -144,7 +145,7 @@ class XattnModel:
             raise ValueError("streaming needs num_beams=1: beam search only knows its best sequence at the end")
         yield from sample_stream(
             self._decode_step, plan.cache, plan.sequences, plan.prompt_length, plan.logits, plan.opts,
-            greedy_step=self._greedy_step,
+            greedy_step=self._greedy_step, argmax=self.decoder.steps.argmax_rows,
         )
 
     def inflight(self, max_rows: int = 16, encode_together: bool = True):

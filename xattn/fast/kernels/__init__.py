@@ -1,6 +1,6 @@
 """xattn's own CPU kernels (products.h, rowwise.h, checks.h, bf16.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp,
-cache_rows.cpp, beam_candidates.cpp, cross_heads.cpp), compiled on first use with the system's g++ against torch's
-headers.
+cache_rows.cpp, beam_candidates.cpp, cross_heads.cpp, argmax_rows.cpp), compiled on first use with the system's g++
+against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
 `matvec_rows(x, weight, bias=None)`: the same product reading an fp32 weight [N, K] as it is (no copy).
@@ -11,7 +11,8 @@ argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cp
 batch through every ViT layer (see encoder.cpp). `reorder_rows(...)`: a beam step's reorder of the cache's self K/V
 in one call (see cache_rows.cpp). `beam_candidates(...)`: a beam step's best candidates, torch.topk's exactly or
 None (see beam_candidates.cpp). `cross_heads(...)`: a bfloat16 cross K/V projection's output into the cache's
-heads (see cross_heads.cpp). Every op checks each tensor it is given (checks.h) and refuses a wrong one with a
+heads (see cross_heads.cpp). `argmax_rows(scores)`: torch.argmax(scores, dim=-1) over fp32 rows, the same indices
+(see argmax_rows.cpp). Every op checks each tensor it is given (checks.h) and refuses a wrong one with a
 RuntimeError naming it.
 
 The build lands in ~/.cache/xattn/ (or $XATTN_CACHE) keyed by the sources and the torch version, so later processes
@@ -41,7 +42,7 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name)
             for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp", "cache_rows.cpp",
-                                   "beam_candidates.cpp", "cross_heads.cpp")]
+                         "beam_candidates.cpp", "cross_heads.cpp", "argmax_rows.cpp")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h", "checks.h", "bf16.h")]
 _state: dict = {}
 
@@ -159,6 +160,12 @@ def beam_candidates(log_probs: torch.Tensor, scores: torch.Tensor, keep: int
         return None
     values, index = torch.ops.xattn_kernels.beam_candidates(log_probs.contiguous(), scores.contiguous(), keep)
     return (values, index) if values.shape[1] == keep else None
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(scores [R, V], dim=-1) for fp32 rows: each row's first index of its largest value, or of its
+    first NaN (see argmax_rows.cpp)."""
+    return torch.ops.xattn_kernels.argmax_rows(scores)
 
 
 def greedy_tokens(x, weight, bias, screen, scale, bounds, forbidden) -> torch.Tensor:
