@@ -333,14 +333,49 @@ def bf16_encoder_args():
 BF16_ENCODER_CASES = [  # (change, message)
     pytest.param(_replace("weights", 1, lambda: _randn(D, D)), r"weights\[1\] \(layer 0 out \[N, K\]\): expected a "
                  r"contiguous CPU bfloat16", id="one fp32 weight among bfloat16"),
-    pytest.param(_replace("weights", 2, lambda: _randn(F_VIT).bfloat16()), r"weights\[2\] \(layer 0 fc1 \[F, D\]\)",
-                 id="fc1 weight 1-d"),
+    pytest.param(_replace("weights", 2, lambda: _randn(F_VIT).bfloat16()),
+                 r"weights\[2\] \(layer 0 fc1 \[F, D\], or its tiles", id="fc1 weight 1-d"),
     pytest.param(_edit("workspace", lambda w: w[:1]), r"workspace: expected 2 tensors", id="one bfloat16 workspace"),
     pytest.param(_replace("workspace", 1, lambda: torch.empty(M - 1, D, dtype=torch.bfloat16)),
                  r"workspace\[1\] \(bfloat16 outputs", id="outputs one row short"),
     pytest.param(_replace("workspace", 0, lambda: torch.empty(M, D)), r"workspace\[0\] \(bfloat16 inputs",
                  id="fp32 inputs"),
 ]
+
+
+F_TILES = 64  # an MLP width the tiles take (a multiple of 32)
+
+
+def bf16_tile_encoder_args():
+    """bfloat16 weights as AMX tiles (kernels.bf16_tiles) with the bfloat16 workspace."""
+    args = bf16_encoder_args()
+    shapes = [(3 * D, D), (D, D), (F_TILES, D), (D, F_TILES)] * L
+    args["weights"] = [kernels.bf16_tiles(_randn(n, k).bfloat16()) for n, k in shapes]
+    args["biases"] = [_randn(n) for n, _ in shapes]
+    return args
+
+
+TILE_ENCODER_CASES = [  # (change, message)
+    pytest.param(_replace("weights", 1, lambda: _randn(D, D).bfloat16()), r"weights\[1\] \(layer 0 out tiles "
+                 r"\[N / 16, K / 32, 16, 32\]\)", id="one plain weight among tiles"),
+    pytest.param(_replace("weights", 3, lambda: kernels.bf16_tiles(_randn(D, F_TILES + 32).bfloat16())),
+                 r"weights\[3\] \(layer 0 fc2 tiles", id="fc2 tiles for a wider K"),
+    pytest.param(_replace("weights", 2, lambda: kernels.bf16_tiles(_randn(F_TILES, D)).float()),
+                 r"weights\[2\] \(layer 0 fc1 tiles", id="fp32 tiles"),
+]
+
+
+@pytest.mark.parametrize("change,message", TILE_ENCODER_CASES)
+def test_bf16_tile_encoder_layers_refuses(change, message):
+    args = bf16_tile_encoder_args()
+    if not kernels.amx_bf16():
+        with pytest.raises(RuntimeError, match="tiles need a CPU"):
+            kernels.encoder_layers(**args)
+        return
+    kernels.encoder_layers(**args)  # valid as built
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.encoder_layers(**args)
 
 
 @pytest.mark.parametrize("change,message", BF16_ENCODER_CASES)

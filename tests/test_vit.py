@@ -144,3 +144,83 @@ def test_bf16_layers_do_the_bf16_math():
     assert relative_error(got, want) < 0.02
     assert relative_error(got, same_math) < 0.1 * relative_error(got, want)
     assert torch.equal(encoder(pixels)[0], got)  # the workspace kept between calls changes nothing
+
+
+def tile_vit(seed=0, **overrides) -> ViTModel:
+    """Widths the AMX tiles take (64, MLP 96: multiples of 32), 10 positions an image."""
+    return vit(seed=seed, **{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96, **overrides})
+
+
+def _amx_bf16_or_skip():
+    if not kernels.amx_bf16():
+        pytest.skip("this CPU (or its OS) gives no AMX-BF16: the bf16 kind runs oneDNN's products here")
+
+
+def bf16_tile_layers(model: ViTModel, pixels: torch.Tensor) -> torch.Tensor:
+    """The tiles' math written out with torch's ops: each product's input and weight rounded to bfloat16 and their
+    sums taken in fp32; qkv's sums + bias and fc1's GELU(sums + bias) rounded to bfloat16; out's and fc2's sums +
+    bias added to the fp32 residual stream unrounded; attention over bfloat16 Q, K, V (torch's)."""
+    def sums(x, linear):
+        return F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
+
+    hidden = model.embeddings(pixels)
+    batch, positions, width = hidden.shape
+    for layer in _layers(model):
+        modules = dict(layer.named_modules())
+        (*qkv, out, fc1, fc2) = (modules[name] for group in _PROJECTIONS[_naming(layer)]
+                                 for name in ([group] if isinstance(group, str) else group))
+        x = layer.layernorm_before(hidden)
+        q, k, v = (sums(x, m).bfloat16().view(batch, positions, -1, width // model.config.num_attention_heads)
+                   .transpose(1, 2) for m in qkv)
+        context = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, positions, width)
+        hidden = hidden + sums(context, out)
+        hidden = hidden + sums(F.gelu(sums(layer.layernorm_after(hidden), fc1)).bfloat16(), fc2)
+    return model.layernorm(hidden)
+
+
+def test_bf16_tiles_hold_each_weight_value_where_amx_reads_it():
+    weight = torch.randn(40, 70).bfloat16()  # N and K past a tile: zeros fill the rest
+    tiles = kernels.bf16_tiles(weight)
+    assert tiles.shape == (3, 3, 16, 32)
+    n, k = torch.meshgrid(torch.arange(48), torch.arange(96), indexing="ij")
+    # row r of tile (n // 16, k // 32) holds the pair k = 2r, 2r + 1 of each of its 16 columns, column-major pairs
+    at = tiles[n // 16, k // 32, (k % 32) // 2, (n % 16) * 2 + k % 2]
+    padded = torch.zeros(48, 96, dtype=torch.bfloat16)
+    padded[:40, :70] = weight
+    assert torch.equal(at, padded)
+
+
+def test_bf16_tile_layers_do_the_tile_math():
+    _amx_bf16_or_skip()
+    model = tile_vit(seed=11)
+    pixels = torch.randn(4, 3, 24, 24, generator=torch.Generator().manual_seed(12))  # 40 rows: a part-filled pair
+    with torch.no_grad():
+        want = model(pixel_values=pixels).last_hidden_state
+        same_math = bf16_tile_layers(model, pixels)
+    encoder = ViTEncoder(model, "bf16")
+    assert encoder.tiles and encoder.rows_independent
+    assert all(w.dtype == torch.bfloat16 and w.dim() == 4 for w in encoder._weights)
+    got = encoder(pixels)[0]
+    assert relative_error(got, want) < 0.02
+    assert relative_error(got, same_math) < 0.1 * relative_error(got, want)
+    # oneDNN's products round the out and fc2 sums to bfloat16 first: the tiles are closer to fp32
+    onednn = ViTEncoder(model, "bf16", tiles=False)
+    assert not onednn.tiles and not onednn.rows_independent
+    assert relative_error(got, want) < relative_error(onednn(pixels)[0], want)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 7])
+def test_bf16_tiles_give_each_image_what_it_gets_alone(batch):
+    _amx_bf16_or_skip()
+    encoder = ViTEncoder(tile_vit(seed=13), "bf16")
+    pixels = torch.randn(7, 3, 24, 24, generator=torch.Generator().manual_seed(14))
+    alone = torch.cat([encoder(pixels[i:i + 1])[0] for i in range(7)])
+    together = torch.cat([encoder(pixels[i:i + batch])[0] for i in range(0, 7, batch)])
+    assert torch.equal(together, alone)
+
+
+def test_tiles_are_refused_where_they_cannot_run():
+    with pytest.raises(ValueError, match="tiles=True needs"):
+        ViTEncoder(vit(), "bf16", tiles=True)  # width 48: not a multiple of 32
+    with pytest.raises(ValueError, match="tiles=True needs"):
+        ViTEncoder(tile_vit(), "packed", tiles=True)

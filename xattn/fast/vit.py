@@ -2,8 +2,8 @@
 
 The patch embeddings and the final layer norm stay transformers' own modules; the layers run in
 xattn_kernels::encoder_layers (kernels/encoder.cpp) with int8 (fbgemm, as weights="int8" runs them elsewhere),
-bfloat16 (torch's products, which oneDNN runs on AMX or AVX-512 BF16 where the CPU has them, and torch's flash
-attention) or fp32 projections, their intermediate results in a workspace kept between calls: on these machines the
+bfloat16 (xattn's own products on AMX tiles where the CPU has AMX-BF16, each image's rows computed independently of
+the batch's others, else torch's, which oneDNN runs on AVX-512 BF16; torch's flash attention) or fp32 projections, their intermediate results in a workspace kept between calls: on these machines the
 page faults of torch's fresh output tensors cost a quarter of an int8 batch's encoder time. Outputs differ from
 transformers' by rounding (fp32), by the bfloat16 products' rounding or by the int8 products' error.
 """
@@ -51,12 +51,21 @@ def _naming(layer: nn.Module) -> str | None:
 class ViTEncoder(nn.Module):
     """Stands in for a ViTModel at inference: `encoder(pixel_values)[0]` is its last_hidden_state [B, S, D]."""
 
-    def __init__(self, vit: nn.Module, kind: str):
+    def __init__(self, vit: nn.Module, kind: str, tiles: bool | None = None):
+        """tiles: bf16's products on xattn's AMX tiles (None: where the CPU has AMX-BF16 and the widths fit the
+        tiles; False: oneDNN's)."""
         super().__init__()
         if not supports(vit, kind):
             raise ValueError(f"ViTEncoder runs a transformers ViTModel with GELU in formats {KINDS} (with xattn's "
                              f"kernels built); got {type(vit).__name__}, weights={kind!r}")
         self.config, self.kind = vit.config, kind
+        width, inner = vit.config.hidden_size, vit.config.intermediate_size
+        fits = kind == "bf16" and kernels.amx_bf16() and width % 32 == 0 and inner % 32 == 0
+        if tiles and not fits:
+            raise ValueError("tiles=True needs weights='bf16', a CPU with AMX-BF16 and widths that are multiples of 32")
+        self.tiles = fits if tiles is None else tiles
+        # each image's rows computed as they are alone, whatever the batch: what in-flight serving encodes together
+        self.rows_independent = self.tiles
         self.embeddings, self.layernorm = vit.embeddings, vit.layernorm
         layers = _layers(vit)
         qkv_names, *rest = _PROJECTIONS[_naming(layers[0])]
@@ -72,7 +81,10 @@ class ViTEncoder(nn.Module):
                 if kind == "int8":  # one quantization per output row, so the fused qkv equals three separate ones
                     self._packed.append(prepack_int8(weight, bias)[1])
                 else:
-                    self._weights.append(weight.to(torch.bfloat16) if kind == "bf16" else weight)
+                    if kind == "bf16":
+                        weight = weight.to(torch.bfloat16)
+                        weight = kernels.bf16_tiles(weight) if self.tiles else weight
+                    self._weights.append(weight)
                     self._biases.append(bias)
         norms = [(layer.layernorm_before, layer.layernorm_after) for layer in layers]
         self._norm_weight = torch.stack([torch.stack([a.weight, b.weight]) for a, b in norms]).detach().float()

@@ -38,10 +38,12 @@ def request(model: XattnModel, inputs: torch.Tensor | None = None, **kwargs) -> 
         (name, values), = encoder.inputs.items()
         _check_tensor(name, values, model.decoder)
         mask = encoder.attention_mask
-        # inputs of one shape are encoded in one call: the model's own encoder computes each row on its own; one in
-        # another format (with_weights(encoder_weights=...)) may quantize rows together, so it encodes each alone
+        # inputs of one shape are encoded in one call where the encoder computes each row on its own: the model's
+        # own, or xattn's ViT kernel on AMX tiles (rows_independent); one in another format may quantize or block
+        # rows together, so it encodes each alone
         own = model.hf_model is not None and model.encoder is getattr(model.hf_model, "encoder", None)
-        key = (name, tuple(values.shape), None if mask is None else tuple(mask.shape)) if own else None
+        together = own or getattr(model.encoder, "rows_independent", False)
+        key = (name, tuple(values.shape), None if mask is None else tuple(mask.shape)) if together else None
         return Request(opts, prompt[0], encoder_input=(name, values, mask), encoder_key=key)
     mask = encoder.states_mask
     return Request(opts, prompt[0], encoder_hidden_states=None if encoder.states is None else encoder.states[0],

@@ -1,6 +1,6 @@
-"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, bf16.h, matvec.cpp, layers.cpp, screen.cpp, encoder.cpp,
-cache_rows.cpp, beam_candidates.cpp, cross_heads.cpp, argmax_rows.cpp), compiled on first use with the system's g++
-against torch's headers.
+"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, bf16.h, amx_bf16.h, matvec.cpp, layers.cpp,
+screen.cpp, encoder.cpp, cache_rows.cpp, beam_candidates.cpp, cross_heads.cpp, argmax_rows.cpp), compiled on first
+use with the system's g++ against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
 `matvec_rows(x, weight, bias=None)`: the same product reading an fp32 weight [N, K] as it is (no copy).
@@ -43,7 +43,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name)
             for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp", "cache_rows.cpp",
                          "beam_candidates.cpp", "cross_heads.cpp", "argmax_rows.cpp")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("products.h", "rowwise.h", "checks.h", "bf16.h")]
+_HEADERS = [os.path.join(_HERE, name)
+            for name in ("products.h", "rowwise.h", "checks.h", "bf16.h", "amx_bf16.h")]
 _state: dict = {}
 
 
@@ -74,6 +75,21 @@ def matvec_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x [..., K] fp32 times a contiguous fp32 weight [N, K] read in place -> [..., N]: each output a dot product
     summed in one fixed order, whatever the rows beside it."""
     return torch.ops.xattn_kernels.matvec_rows(x, weight, bias)
+
+
+def amx_bf16() -> bool:
+    """Whether this CPU (and its OS) gives the ViT kernel's bfloat16 tile products: AMX-BF16 and AVX512-BF16."""
+    return available() and torch.ops.xattn_kernels.amx_bf16()
+
+
+def bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 weight [N, K] -> AMX's B tiles [ceil(N / 16), ceil(K / 32), 16, 32]: per 16 columns and 32 values of
+    K, 16 rows each holding the 16 columns' pairs of consecutive K values (zeros past N and K); see amx_bf16.h."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, -(-k // 32) * 32, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    blocks = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 32, 16, 2)  # [n block, n, k step, pair, 2]
+    return blocks.permute(0, 2, 3, 1, 4).reshape(padded.shape[0] // 16, padded.shape[1] // 32, 16, 32).contiguous()
 
 
 def int8_blocks(weight: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "amx_bf16.h"
 #include "bf16.h"
 #include "checks.h"
 #include "products.h"
@@ -163,6 +164,18 @@ at::Tensor biased_product(const at::Tensor& x, const at::Tensor& weight, const a
   return fused->call(x, weight, bias, gelu ? "gelu" : "none", c10::List<std::optional<at::Scalar>>(), "none");
 }
 
+// Attention over qkv [B * S, 3D] (bfloat16 rows: Q, K, V) -> [B * S, D] bfloat16 rows: torch's attention over
+// bfloat16 Q, K, V (its flash attention, fp32 sums and softmax; each image's result independent of the others).
+at::Tensor bf16_attention(const at::Tensor& qkv, int64_t B, int64_t S, int64_t H) {
+  const int64_t D = qkv.size(1) / 3;
+  const at::Tensor heads = qkv.view({B, S, 3, H, D / H});
+  const at::Tensor ctx = at::scaled_dot_product_attention(heads.select(2, 0).transpose(1, 2),
+                                                          heads.select(2, 1).transpose(1, 2),
+                                                          heads.select(2, 2).transpose(1, 2));
+  // [B, H, S, hd] as rows [B * S, D]: torch's output is laid out in row order already (otherwise reshape copies)
+  return ctx.transpose(1, 2).reshape({B * S, D}).contiguous();
+}
+
 // h += out(attention(qkv(x))) over x [M, D] in bfloat16, with bfloat16 products and torch's attention over bfloat16
 // Q, K, V (its flash attention, fp32 sums and softmax; oneDNN's tiles where the CPU has AMX), the qkv bias added
 // before Q, K, V are rounded. out [M, D]: the out projection's bfloat16 result; oneDNN and torch give Q, K, V and
@@ -170,15 +183,8 @@ at::Tensor biased_product(const at::Tensor& x, const at::Tensor& weight, const a
 void bf16_attention_block(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& qkv_bias,
                           const at::Tensor& out_weight, const at::Tensor& out_bias, int64_t B, int64_t S, int64_t H,
                           at::Tensor& out, const at::Tensor& h) {
-  const int64_t M = B * S, D = h.size(1), hd = D / H;
   const at::Tensor qkv = biased_product(x, qkv_weight, qkv_bias, false);
-  const at::Tensor heads = qkv.view({B, S, 3, H, hd});
-  const at::Tensor ctx = at::scaled_dot_product_attention(heads.select(2, 0).transpose(1, 2),
-                                                          heads.select(2, 1).transpose(1, 2),
-                                                          heads.select(2, 2).transpose(1, 2));
-  // [B, H, S, hd] as rows [M, D]: torch's output is laid out in row order already (otherwise reshape copies)
-  const at::Tensor ctx_rows = ctx.transpose(1, 2).reshape({M, D});
-  at::mm_out(out, ctx_rows, out_weight.t());
+  at::mm_out(out, bf16_attention(qkv, B, S, H), out_weight.t());
   widen_rows(out, out_bias, h, Store::kAdd);
 }
 
@@ -209,10 +215,10 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
                 "bfloat16 inputs and outputs), got ", workspace.size());
     xattn::check_tensor(workspace[0], at::kBFloat16, {M, D}, "workspace[0] (bfloat16 inputs [M, D], M = B * S)");
     xattn::check_tensor(workspace[1], at::kBFloat16, {M, D}, "workspace[1] (bfloat16 outputs [M, D], M = B * S)");
-    TORCH_CHECK(weights.size() > 2 && weights[2].dim() == 2 && weights[2].size(0) > 0,
-                "weights[2] (layer 0 fc1 [F, D]): expected a 2-d weight, got ",
-                weights.size() > 2 ? xattn::describe(weights[2]) : std::string("none"));
-    F = weights[2].size(0);
+    TORCH_CHECK(weights.size() > 2 && (weights[2].dim() == 2 || weights[2].dim() == 4) && weights[2].size(0) > 0,
+                "weights[2] (layer 0 fc1 [F, D], or its tiles [F / 16, D / 32, 16, 32]): expected a 2-d or 4-d "
+                "weight, got ", weights.size() > 2 ? xattn::describe(weights[2]) : std::string("none"));
+    F = weights[2].dim() == 2 ? weights[2].size(0) : weights[2].size(0) * 16;
   } else {
     TORCH_CHECK(workspace.size() == 5, "workspace: expected 5 tensors (x, qkv, ctx, tmp, ff), got ",
                 workspace.size());
@@ -227,6 +233,11 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   }
   const char* roles[] = {"qkv", "out", "fc1", "fc2"};
   const int64_t in_widths[] = {D, D, D, F}, out_widths[] = {3 * D, D, F, D};
+  // bfloat16 weights packed as AMX tiles (kernels.bf16_tiles): xattn's tile products, each row independent of the
+  // others; unpacked [N, K]: oneDNN's
+  const bool tiles = bf16 && weights[0].dim() == 4;
+  TORCH_CHECK(!tiles || xattn::amx_bf16_supported(), "weights: tiles need a CPU (and OS) with AMX-BF16; pass "
+              "bfloat16 weights [N, K] here");
   const bool int8 = !packed.empty();
   if (int8) {
     TORCH_CHECK(static_cast<int64_t>(packed.size()) == 4 * L, "packed: expected 4 projections per layer for ", L,
@@ -245,8 +256,16 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
                 "weights/biases: expected 4 projections per layer for ", L, " layers (", 4 * L,
                 ") with a bias each, got ", weights.size(), " weights and ", biases.size(), " biases");
     for (int64_t i = 0; i < 4 * L; ++i) {
-      xattn::check_tensor(weights[i], bf16 ? at::kBFloat16 : at::kFloat, {out_widths[i % 4], in_widths[i % 4]},
-                          "weights[", i, "] (layer ", i / 4, " ", roles[i % 4], " [N, K])");
+      const int64_t N = out_widths[i % 4], K = in_widths[i % 4];
+      if (tiles) {
+        TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "weights[", i, "] (layer ", i / 4, " ", roles[i % 4], "): tiles "
+                    "need N a multiple of 16 and K of 32, got N=", N, ", K=", K);
+        xattn::check_tensor(weights[i], at::kBFloat16, {N / 16, K / 32, 16, 32}, "weights[", i, "] (layer ", i / 4,
+                            " ", roles[i % 4], " tiles [N / 16, K / 32, 16, 32])");
+      } else {
+        xattn::check_tensor(weights[i], bf16 ? at::kBFloat16 : at::kFloat, {N, K}, "weights[", i, "] (layer ",
+                            i / 4, " ", roles[i % 4], " [N, K])");
+      }
       xattn::check_tensor(biases[i], at::kFloat, {out_widths[i % 4]}, "biases[", i, "] (layer ", i / 4, " ",
                           roles[i % 4], ")");
     }
@@ -256,6 +275,27 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   float* hp = h.data_ptr<float>();
   const float* gammas = norm_weight.data_ptr<float>();
   const float* betas = norm_bias.data_ptr<float>();
+  if (tiles) {  // the norms write the products' bfloat16 inputs directly; each product finishes its own output
+    const at::Tensor in_bf16 = workspace[0];
+    const uint16_t* in = bf16_data(in_bf16);
+    auto product = [&](const uint16_t* x, int64_t i, void* out, int64_t K, int64_t N, xattn::Finish how) {
+      xattn::tile_product({x, bf16_data(weights[i]), biases[i].data_ptr<float>(), out, M, K, N, how});
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const float* gamma = gammas + l * 2 * D;
+      const float* beta = betas + l * 2 * D;
+      xattn::layer_norm(hp, M, D, gamma, beta, eps, bf16_data(in_bf16));
+      const at::Tensor qkv = at::empty({M, 3 * D}, in_bf16.options());
+      product(in, 4 * l, bf16_data(qkv), D, 3 * D, xattn::Finish::kRound);
+      const at::Tensor ctx = bf16_attention(qkv, B, S, heads);
+      product(bf16_data(ctx), 4 * l + 1, hp, D, D, xattn::Finish::kAccumulate);
+      xattn::layer_norm(hp, M, D, gamma + D, beta + D, eps, bf16_data(in_bf16));
+      const at::Tensor inner = at::empty({M, F}, in_bf16.options());
+      product(in, 4 * l + 2, bf16_data(inner), D, F, xattn::Finish::kGelu);
+      product(bf16_data(inner), 4 * l + 3, hp, F, D, xattn::Finish::kAccumulate);
+    }
+    return;
+  }
   if (bf16) {  // the norms write the products' bfloat16 inputs directly
     const at::Tensor in_bf16 = workspace[0];
     at::Tensor out_bf16 = workspace[1];
@@ -308,5 +348,7 @@ TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
       "__torch__.torch.classes.quantized.LinearPackedParamsBase[] packed, int heads, float eps, "
       "Tensor(b!)[] workspace) -> ()");
 }
+
+TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) { m.def("amx_bf16() -> bool", [] { return xattn::amx_bf16_supported(); }); }
 
 TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) { m.impl("encoder_layers", &encoder_layers); }

@@ -1,0 +1,176 @@
+// bfloat16 products on AMX tiles for the ViT kernel's bfloat16 layers (encoder.cpp), where the CPU has AMX-BF16.
+//
+// oneDNN's bfloat16 matmul (torch's mm on these CPUs) picks its blocking by the number of rows, so an image's rows
+// come out differently in a batch of 16 than alone: a server could not encode the requests that arrive together in
+// one call and still give each the result it gets alone. Here every output value is the same sequence of tdpbf16ps
+// steps over K whatever M is (each tile row computed from its own input row), so each row's result is independent
+// of the rows beside it, bit for bit; and the bias, GELU or residual sum is applied to the fp32 sums as each 32 x 32
+// block is finished, in cache, where oneDNN's product would be followed by a sweep over its whole output.
+//
+// The weight is packed once into B tiles: [ceil(N / 16)][ceil(K / 32)][16 pairs of k][16 columns][2] (bf16_tiles in
+// encoder.cpp), so each tile load is 1 KB in a row; x is read in place as A tiles (16 rows x 32 values, its row
+// stride apart). A thread takes a range of 32-column pairs of blocks and walks x in chunks that stay in L2 while its
+// weights stream past.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "products.h"
+
+namespace xattn {
+
+#define XATTN_TILE_DOTS_BF16(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+#define XATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// Whether the CPU has AMX-TILE, AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) and AVX512-BF16 (leaf 7 subleaf 1: EAX
+// bit 5), and Linux gives this process the tile state (asked for as amx_supported asks).
+inline bool amx_bf16_supported() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!vnni_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))
+      return false;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows x 64 bytes: 16 x 32 bfloat16 (an A operand), 16 pairs x 16 columns (a B operand), 16 x 16 fp32.
+struct alignas(64) SquareTiles {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// e^x for x <= 0 in 16 lanes (exp8's steps: Cephes' polynomial, 2^n put into the exponent bits)
+XATTN_AVX512_BF16 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// The exact (erf) GELU, x (1 + erf(x / sqrt 2)) / 2, with erfc(z) for z = |x| / sqrt 2 from Abramowitz and Stegun's
+// 7.1.26 (t = 1 / (1 + p z), a polynomial in t times e^(-z^2); |error| < 1.5e-7): x - x erfc(z) / 2 for x >= 0,
+// x erfc(z) / 2 below. Far below bfloat16's rounding, which every result then takes.
+XATTN_AVX512_BF16 inline __m512 gelu16(__m512 x) {
+  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f)));
+  __m512 poly = _mm512_set1_ps(1.061405429f);
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-1.453152027f));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-0.284496736f));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(0.254829592f));
+  const __m512 erfc = _mm512_mul_ps(_mm512_mul_ps(poly, t), exp16(_mm512_mul_ps(_mm512_mul_ps(z, z), _mm512_set1_ps(-1.f))));
+  const __m512 half_tail = _mm512_mul_ps(_mm512_mul_ps(x, erfc), _mm512_set1_ps(0.5f));
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(negative, _mm512_sub_ps(x, half_tail), half_tail);
+}
+
+// How a product's fp32 sums + bias are finished: rounded to bfloat16 (kRound), through GELU then rounded (kGelu), or
+// added to an fp32 residual stream (kAccumulate).
+enum class Finish { kRound, kGelu, kAccumulate };
+
+struct TileProduct {
+  const uint16_t* x;  // [M, K] bfloat16, rows K apart
+  const uint16_t* w;  // B tiles [N / 16][K / 32][16][32]
+  const float* bias;  // [N]
+  void* out;          // [M, N]: bfloat16 (kRound, kGelu) or fp32 (kAccumulate)
+  int64_t M, K, N;
+  Finish how;
+};
+
+// sums [32][32] fp32 (rows of 32) + bias, finished into rows m0 .. m0 + rows of p.out, columns n0 .. n0 + cols.
+XATTN_AVX512_BF16 inline void finish_block(const TileProduct& p, const float* sums, int64_t m0, int64_t rows,
+                                           int64_t n0, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 16) {
+      __m512 v = _mm512_add_ps(_mm512_load_ps(sums + r * 32 + c), _mm512_loadu_ps(p.bias + n0 + c));
+      const int64_t at = (m0 + r) * p.N + n0 + c;
+      if (p.how == Finish::kAccumulate) {
+        float* y = static_cast<float*>(p.out) + at;
+        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), v));
+        continue;
+      }
+      if (p.how == Finish::kGelu) v = gelu16(v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+}
+
+// Column pairs [begin, end) of p on this thread.
+XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t begin, int64_t end) {
+  const SquareTiles config;
+  asm volatile("ldtilecfg %0" ::"m"(config) : "memory");
+  const int64_t ksteps = p.K / 32, blocks = p.N / 16, pairs = (p.M + 31) / 32;
+  // x's rows per chunk: ~512 KB of x in L2 while this thread's weights stream past, in whole 32-row pairs
+  const int64_t chunk = std::max<int64_t>(1, (512 * 1024) / (32 * p.K * 2));
+  alignas(64) float sums[32 * 32];
+  // the last pair's rows past M come from here, zeros (so no read goes past x)
+  std::vector<uint16_t> tail(32 * p.K, 0);
+  const int64_t full = p.M / 32;
+  if (full < pairs) std::memcpy(tail.data(), p.x + full * 32 * p.K, (p.M - full * 32) * p.K * 2);
+  for (int64_t c0 = 0; c0 < pairs; c0 += chunk)
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b0 = 2 * pair;
+      const bool two = b0 + 1 < blocks;
+      const uint16_t* w0 = p.w + b0 * ksteps * 512;
+      const uint16_t* w1 = w0 + ksteps * 512;
+      for (int64_t mp = c0; mp < std::min(c0 + chunk, pairs); ++mp) {
+        const uint16_t* x0 = mp < full ? p.x + mp * 32 * p.K : tail.data();
+        const uint16_t* x1 = x0 + 16 * p.K;
+        XATTN_TILE_ZERO(4);
+        XATTN_TILE_ZERO(6);
+        if (two) {
+          XATTN_TILE_ZERO(5);
+          XATTN_TILE_ZERO(7);
+        }
+        for (int64_t s = 0; s < ksteps; ++s) {
+          XATTN_TILE_LOAD(0, x0 + s * 32, p.K * 2);
+          XATTN_TILE_LOAD(1, x1 + s * 32, p.K * 2);
+          XATTN_TILE_LOAD(2, w0 + s * 512, 64);
+          XATTN_TILE_DOTS_BF16(4, 0, 2);
+          XATTN_TILE_DOTS_BF16(6, 1, 2);
+          if (two) {
+            XATTN_TILE_LOAD(3, w1 + s * 512, 64);
+            XATTN_TILE_DOTS_BF16(5, 0, 3);
+            XATTN_TILE_DOTS_BF16(7, 1, 3);
+          }
+        }
+        XATTN_TILE_STORE(4, sums, 128);
+        XATTN_TILE_STORE(6, sums + 16 * 32, 128);
+        if (two) {
+          XATTN_TILE_STORE(5, sums + 16, 128);
+          XATTN_TILE_STORE(7, sums + 16 * 32 + 16, 128);
+        }
+        finish_block(p, sums, mp * 32, std::min<int64_t>(32, p.M - mp * 32), b0 * 16, two ? 32 : 16);
+      }
+    }
+  asm volatile("tilerelease" ::: "memory");
+}
+
+// p.out = finish(p.x p.w^T + p.bias); N a multiple of 16, K of 32 (the packed weight's shape checked by the caller).
+inline void tile_product(const TileProduct& p) {
+  const int64_t pairs = (p.N / 16 + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) { tile_product_part(p, begin, end); });
+}
+
+}  // namespace xattn
