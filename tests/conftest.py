@@ -56,12 +56,13 @@ def gpt2_config(**overrides) -> GPT2Config:
     return GPT2Config(**kwargs)
 
 
-def tiny_captioner(seed: int = 0, encoder_hidden: int = 32, **decoder_overrides) -> VisionEncoderDecoderModel:
+def tiny_captioner(seed: int = 0, encoder_hidden: int = 32, encoder_inner: int = 37,
+                   **decoder_overrides) -> VisionEncoderDecoderModel:
     """ViT (32 px, 8 px patches -> 17 positions) + GPT-2 with cross-attention, random weights."""
     torch.manual_seed(seed)
     encoder = ViTConfig(
-        hidden_size=encoder_hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, image_size=32,
-        patch_size=8,
+        hidden_size=encoder_hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=encoder_inner,
+        image_size=32, patch_size=8,
     )
     config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, gpt2_config(**decoder_overrides))
     config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = BOS, PAD, EOS

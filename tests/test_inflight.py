@@ -147,6 +147,27 @@ def test_each_search_sees_its_lone_logits_bit_for_bit(captioner, weights, fed_lo
         assert len(theirs) >= 1 and all(torch.equal(a, b) for a, b in zip(mine, theirs)), f"request {i}: {spec}"
 
 
+@pytest.mark.kernels
+def test_newcomers_are_encoded_together_where_the_encoder_computes_rows_alone():
+    """The bf16 ViT kernel on AMX tiles computes each image as alone: newcomers that arrive together share one
+    encoder call, and each request still gets generate's tokens alone."""
+    from xattn.fast import kernels
+
+    if not kernels.amx_bf16():
+        pytest.skip("needs AMX-BF16: elsewhere the bf16 kernel runs oneDNN's products and encodes each newcomer alone")
+    model = _trained_like(tiny_captioner(seed=8, encoder_hidden=64, encoder_inner=64))
+    pixels = torch.randn(len(REQUESTS), 3, 32, 32, generator=torch.Generator().manual_seed(9))
+    engine = xattn.from_hf(model).with_weights("int8", encoder_weights="bf16")
+    assert engine.encoder.rows_independent
+    batches = []
+    engine.encoder.register_forward_pre_hook(lambda module, args: batches.append(args[0].shape[0]))
+    handles = _serve(engine, engine.inflight(max_rows=24), pixels, REQUESTS)
+    assert max(batches) > 1 and sum(batches) == len(REQUESTS)  # arrivals at one step were encoded in one call
+    for i, (handle, (_, spec)) in enumerate(zip(handles, REQUESTS)):
+        alone = engine.generate(pixel_values=pixels[i:i + 1], **_kwargs(spec, i))
+        assert torch.equal(handle.result.sequences, alone), f"request {i}: {spec}"
+
+
 def test_rows_are_reused_and_a_request_that_does_not_fit_waits(captioner):
     model, pixels = captioner
     engine = xattn.from_hf(model)

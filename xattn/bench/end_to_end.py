@@ -34,6 +34,17 @@ SAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
                        "samples")
 
 
+def _onednn_encoder(engine, vit):
+    """engine with its bf16 ViT kernel on oneDNN's products instead of xattn's AMX tiles (faster in large batches
+    here, but an image's rows depend on the batch's size)."""
+    import xattn
+    from xattn.fast.vit import ViTEncoder
+
+    return xattn.XattnModel(engine.decoder, encoder=ViTEncoder(vit, "bf16", tiles=False),
+                            enc_to_dec_proj=engine.enc_to_dec_proj, generation_config=engine.generation_config,
+                            hf_model=engine.hf_model)
+
+
 def run(images: int = 64, batch: int = 16, new_tokens: int = 16, threads: int = 2, progress=print) -> list[EndToEnd]:
     import xattn
 
@@ -53,6 +64,9 @@ def run(images: int = 64, batch: int = 16, new_tokens: int = 16, threads: int = 
         # bfloat16 products run on AMX or AVX-512 BF16 where the CPU has them (several times fbgemm's int8 rate)
         "xattn bf16 encoder + int8 decoder": (base.with_weights("int8", encoder_weights="bf16"), batch),
     }
+    tiled = engines["xattn bf16 encoder + int8 decoder"][0]
+    if getattr(tiled.encoder, "tiles", False):  # AMX: xattn's row-independent tile products; oneDNN's beside them
+        engines["xattn bf16 encoder (oneDNN) + int8 decoder"] = (_onednn_encoder(tiled, base.encoder), batch)
     results, outputs = [], {}
     with torch.inference_mode():
         for name, (engine, per_call) in engines.items():

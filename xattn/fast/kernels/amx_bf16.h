@@ -73,7 +73,9 @@ XATTN_AVX512_BF16 inline __m512 exp16(__m512 x) {
 // x erfc(z) / 2 below. Far below bfloat16's rounding, which every result then takes.
 XATTN_AVX512_BF16 inline __m512 gelu16(__m512 x) {
   const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
-  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f)));
+  const __m512 d = _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f));
+  __m512 t = _mm512_rcp14_ps(d);  // 1 / d to 2^-14, then one Newton step: t (2 - d t)
+  t = _mm512_mul_ps(t, _mm512_fnmadd_ps(d, t, _mm512_set1_ps(2.f)));
   __m512 poly = _mm512_set1_ps(1.061405429f);
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-1.453152027f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
@@ -90,30 +92,38 @@ XATTN_AVX512_BF16 inline __m512 gelu16(__m512 x) {
 enum class Finish { kRound, kGelu, kAccumulate };
 
 struct TileProduct {
-  const uint16_t* x;  // [M, K] bfloat16, rows K apart
+  const uint16_t* x;  // [M, K] bfloat16, rows x_stride apart
   const uint16_t* w;  // B tiles [N / 16][K / 32][16][32]
   const float* bias;  // [N]
   void* out;          // [M, N]: bfloat16 (kRound, kGelu) or fp32 (kAccumulate)
   int64_t M, K, N;
   Finish how;
+  int64_t x_stride, out_stride;  // elements from one row to the next (K, N where 0)
 };
 
-// sums [32][32] fp32 (rows of 32) + bias, finished into rows m0 .. m0 + rows of p.out, columns n0 .. n0 + cols.
-XATTN_AVX512_BF16 inline void finish_block(const TileProduct& p, const float* sums, int64_t m0, int64_t rows,
-                                           int64_t n0, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; c += 16) {
-      __m512 v = _mm512_add_ps(_mm512_load_ps(sums + r * 32 + c), _mm512_loadu_ps(p.bias + n0 + c));
-      const int64_t at = (m0 + r) * p.N + n0 + c;
-      if (p.how == Finish::kAccumulate) {
-        float* y = static_cast<float*>(p.out) + at;
-        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), v));
-        continue;
-      }
-      if (p.how == Finish::kGelu) v = gelu16(v);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+// A finished block's sums [32][32] (rows of 32) waiting for their bias and finish: 16 values at a time, interleaved
+// with the next block's tile products, so that the vector units finish one block while the tiles compute the next.
+struct Pending {
+  const float* sums = nullptr;
+  int64_t m0 = 0, n0 = 0, per_row = 0, next = 0, total = 0;  // per_row: 16-value vectors in a row (1 or 2)
+};
+
+// The next `count` vectors of `pending` (all that are left where count < 0) finished into p.out.
+XATTN_AVX512_BF16 inline void finish_vectors(const TileProduct& p, Pending& pending, int64_t count) {
+  const int64_t last = count < 0 ? pending.total : std::min(pending.total, pending.next + count);
+  for (; pending.next < last; ++pending.next) {
+    const int64_t r = pending.next / pending.per_row, c = pending.next % pending.per_row * 16;
+    const int64_t n = pending.n0 + c, at = (pending.m0 + r) * p.out_stride + n;
+    __m512 v = _mm512_add_ps(_mm512_load_ps(pending.sums + r * 32 + c), _mm512_loadu_ps(p.bias + n));
+    if (p.how == Finish::kAccumulate) {
+      float* y = static_cast<float*>(p.out) + at;
+      _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), v));
+      continue;
     }
+    if (p.how == Finish::kGelu) v = gelu16(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
 }
 
 // Column pairs [begin, end) of p on this thread.
@@ -123,11 +133,15 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
   const int64_t ksteps = p.K / 32, blocks = p.N / 16, pairs = (p.M + 31) / 32;
   // x's rows per chunk: ~512 KB of x in L2 while this thread's weights stream past, in whole 32-row pairs
   const int64_t chunk = std::max<int64_t>(1, (512 * 1024) / (32 * p.K * 2));
-  alignas(64) float sums[32 * 32];
+  alignas(64) float sums[2][32 * 32];  // the block being finished and the one being computed
+  int flip = 0;
+  Pending pending;
+  // each step of a block's products finishes this many of the previous block's (up to) 64 vectors
+  const int64_t per_step = (64 + ksteps - 1) / ksteps;
   // the last pair's rows past M come from here, zeros (so no read goes past x)
-  std::vector<uint16_t> tail(32 * p.K, 0);
+  std::vector<uint16_t> tail(32 * p.x_stride, 0);
   const int64_t full = p.M / 32;
-  if (full < pairs) std::memcpy(tail.data(), p.x + full * 32 * p.K, (p.M - full * 32) * p.K * 2);
+  if (full < pairs) std::memcpy(tail.data(), p.x + full * 32 * p.x_stride, (p.M - full * 32) * p.x_stride * 2);
   for (int64_t c0 = 0; c0 < pairs; c0 += chunk)
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b0 = 2 * pair;
@@ -135,8 +149,8 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
       const uint16_t* w0 = p.w + b0 * ksteps * 512;
       const uint16_t* w1 = w0 + ksteps * 512;
       for (int64_t mp = c0; mp < std::min(c0 + chunk, pairs); ++mp) {
-        const uint16_t* x0 = mp < full ? p.x + mp * 32 * p.K : tail.data();
-        const uint16_t* x1 = x0 + 16 * p.K;
+        const uint16_t* x0 = mp < full ? p.x + mp * 32 * p.x_stride : tail.data();
+        const uint16_t* x1 = x0 + 16 * p.x_stride;
         XATTN_TILE_ZERO(4);
         XATTN_TILE_ZERO(6);
         if (two) {
@@ -144,8 +158,8 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
           XATTN_TILE_ZERO(7);
         }
         for (int64_t s = 0; s < ksteps; ++s) {
-          XATTN_TILE_LOAD(0, x0 + s * 32, p.K * 2);
-          XATTN_TILE_LOAD(1, x1 + s * 32, p.K * 2);
+          XATTN_TILE_LOAD(0, x0 + s * 32, p.x_stride * 2);
+          XATTN_TILE_LOAD(1, x1 + s * 32, p.x_stride * 2);
           XATTN_TILE_LOAD(2, w0 + s * 512, 64);
           XATTN_TILE_DOTS_BF16(4, 0, 2);
           XATTN_TILE_DOTS_BF16(6, 1, 2);
@@ -154,21 +168,29 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
             XATTN_TILE_DOTS_BF16(5, 0, 3);
             XATTN_TILE_DOTS_BF16(7, 1, 3);
           }
+          finish_vectors(p, pending, per_step);
         }
-        XATTN_TILE_STORE(4, sums, 128);
-        XATTN_TILE_STORE(6, sums + 16 * 32, 128);
+        finish_vectors(p, pending, -1);
+        float* out = sums[flip];
+        flip ^= 1;
+        XATTN_TILE_STORE(4, out, 128);
+        XATTN_TILE_STORE(6, out + 16 * 32, 128);
         if (two) {
-          XATTN_TILE_STORE(5, sums + 16, 128);
-          XATTN_TILE_STORE(7, sums + 16 * 32 + 16, 128);
+          XATTN_TILE_STORE(5, out + 16, 128);
+          XATTN_TILE_STORE(7, out + 16 * 32 + 16, 128);
         }
-        finish_block(p, sums, mp * 32, std::min<int64_t>(32, p.M - mp * 32), b0 * 16, two ? 32 : 16);
+        const int64_t per_row = two ? 2 : 1;
+        pending = {out, mp * 32, b0 * 16, per_row, 0, std::min<int64_t>(32, p.M - mp * 32) * per_row};
       }
     }
+  finish_vectors(p, pending, -1);
   asm volatile("tilerelease" ::: "memory");
 }
 
 // p.out = finish(p.x p.w^T + p.bias); N a multiple of 16, K of 32 (the packed weight's shape checked by the caller).
-inline void tile_product(const TileProduct& p) {
+inline void tile_product(TileProduct p) {
+  p.x_stride = p.x_stride ? p.x_stride : p.K;
+  p.out_stride = p.out_stride ? p.out_stride : p.N;
   const int64_t pairs = (p.N / 16 + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) { tile_product_part(p, begin, end); });
 }
