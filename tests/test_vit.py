@@ -104,16 +104,18 @@ def test_unsupported_encoders_are_refused_by_name():
         ViTEncoder(vit(), "packed")(torch.randn(1, 3, 24, 24), attention_mask=torch.ones(1, 10))
 
 
-def bf16_layers(model: ViTModel, pixels: torch.Tensor) -> torch.Tensor:
-    """The bf16 kind's math written out with torch's ops: each product's input rounded to bfloat16; out and fc2's
-    sums rounded once, their biases and the residual sums in fp32; qkv's sums + bias, and fc1's GELU(sums + bias),
-    rounded once to bfloat16 (Q, K, V and fc2's input); attention over bfloat16 Q, K, V (torch's); the norms in
-    fp32."""
-    def product(x, linear):
-        return F.linear(x.bfloat16(), linear.weight.bfloat16()).float() + linear.bias
-
+def bf16_layers(model: ViTModel, pixels: torch.Tensor, tiles: bool = False) -> torch.Tensor:
+    """The bf16 kind's math written out with torch's ops: each product's input rounded to bfloat16; qkv's sums + bias,
+    and fc1's GELU(sums + bias), rounded once to bfloat16 (Q, K, V and fc2's input); attention over bfloat16 Q, K, V
+    (torch's); the norms in fp32. out's and fc2's sums: rounded to bfloat16 (oneDNN's products), or unrounded (the
+    AMX tiles'), their biases and the residual sums in fp32."""
     def biased(x, linear):  # the sums in fp32 (exact products of bfloat16 values), the bias added before rounding
         return F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
+
+    def residual(x, linear):
+        if tiles:
+            return biased(x, linear)
+        return F.linear(x.bfloat16(), linear.weight.bfloat16()).float() + linear.bias
 
     hidden = model.embeddings(pixels)
     batch, positions, width = hidden.shape
@@ -125,9 +127,9 @@ def bf16_layers(model: ViTModel, pixels: torch.Tensor) -> torch.Tensor:
         q, k, v = (biased(x, m).bfloat16().view(batch, positions, -1, width // model.config.num_attention_heads)
                    .transpose(1, 2) for m in qkv)
         context = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, positions, width)
-        hidden = hidden + product(context, out)
+        hidden = hidden + residual(context, out)
         inner = F.gelu(biased(layer.layernorm_after(hidden), fc1)).bfloat16()
-        hidden = hidden + product(inner, fc2)
+        hidden = hidden + residual(inner, fc2)
     return model.layernorm(hidden)
 
 
@@ -156,28 +158,6 @@ def _amx_bf16_or_skip():
         pytest.skip("this CPU (or its OS) gives no AMX-BF16: the bf16 kind runs oneDNN's products here")
 
 
-def bf16_tile_layers(model: ViTModel, pixels: torch.Tensor) -> torch.Tensor:
-    """The tiles' math written out with torch's ops: each product's input and weight rounded to bfloat16 and their
-    sums taken in fp32; qkv's sums + bias and fc1's GELU(sums + bias) rounded to bfloat16; out's and fc2's sums +
-    bias added to the fp32 residual stream unrounded; attention over bfloat16 Q, K, V (torch's)."""
-    def sums(x, linear):
-        return F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
-
-    hidden = model.embeddings(pixels)
-    batch, positions, width = hidden.shape
-    for layer in _layers(model):
-        modules = dict(layer.named_modules())
-        (*qkv, out, fc1, fc2) = (modules[name] for group in _PROJECTIONS[_naming(layer)]
-                                 for name in ([group] if isinstance(group, str) else group))
-        x = layer.layernorm_before(hidden)
-        q, k, v = (sums(x, m).bfloat16().view(batch, positions, -1, width // model.config.num_attention_heads)
-                   .transpose(1, 2) for m in qkv)
-        context = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, positions, width)
-        hidden = hidden + sums(context, out)
-        hidden = hidden + sums(F.gelu(sums(layer.layernorm_after(hidden), fc1)).bfloat16(), fc2)
-    return model.layernorm(hidden)
-
-
 def test_bf16_tiles_hold_each_weight_value_where_amx_reads_it():
     weight = torch.randn(40, 70).bfloat16()  # N and K past a tile: zeros fill the rest
     tiles = kernels.bf16_tiles(weight)
@@ -196,7 +176,7 @@ def test_bf16_tile_layers_do_the_tile_math():
     pixels = torch.randn(4, 3, 24, 24, generator=torch.Generator().manual_seed(12))  # 40 rows: a part-filled pair
     with torch.no_grad():
         want = model(pixel_values=pixels).last_hidden_state
-        same_math = bf16_tile_layers(model, pixels)
+        same_math = bf16_layers(model, pixels, tiles=True)
     encoder = ViTEncoder(model, "bf16")
     assert encoder.tiles and encoder.rows_independent
     assert all(w.dtype == torch.bfloat16 and w.dim() == 4 for w in encoder._weights)
