@@ -3,9 +3,10 @@
 The patch embeddings and the final layer norm stay transformers' own modules; the layers run in
 xattn_kernels::encoder_layers (kernels/encoder.cpp) with int8 (fbgemm, as weights="int8" runs them elsewhere),
 bfloat16 (xattn's own products on AMX tiles where the CPU has AMX-BF16, each image's rows computed independently of
-the batch's others, else torch's, which oneDNN runs on AVX-512 BF16; torch's flash attention) or fp32 projections, their intermediate results in a workspace kept between calls: on these machines the
-page faults of torch's fresh output tensors cost a quarter of an int8 batch's encoder time. Outputs differ from
-transformers' by rounding (fp32), by the bfloat16 products' rounding or by the int8 products' error.
+the batch's others, else torch's, which oneDNN runs on AVX-512 BF16; torch's flash attention) or fp32 projections,
+their intermediate results in a workspace kept between calls: on these machines the page faults of torch's fresh
+output tensors cost a quarter of an int8 batch's encoder time. Outputs differ from transformers' by rounding (fp32),
+by the bfloat16 products' rounding or by the int8 products' error.
 """
 
 from __future__ import annotations
