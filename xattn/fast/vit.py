@@ -65,8 +65,6 @@ class ViTEncoder(nn.Module):
         if tiles and not fits:
             raise ValueError("tiles=True needs weights='bf16', a CPU with AMX-BF16 and widths that are multiples of 32")
         self.tiles = fits if tiles is None else tiles
-        # each image's rows computed as they are alone, whatever the batch: what in-flight serving encodes together
-        self.rows_independent = self.tiles
         self.embeddings, self.layernorm = vit.embeddings, vit.layernorm
         layers = _layers(vit)
         qkv_names, *rest = _PROJECTIONS[_naming(layers[0])]
@@ -95,6 +93,12 @@ class ViTEncoder(nn.Module):
         self._inner = projections[2][0].shape[0]
         self._workspace: list[torch.Tensor] = []
         self._lock = threading.Lock()
+
+    @property
+    def rows_independent(self) -> bool:
+        """Each image's rows computed as they are alone, whatever the batch (the tiles): what in-flight serving
+        encodes together."""
+        return self.tiles
 
     @torch.no_grad()
     def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False,

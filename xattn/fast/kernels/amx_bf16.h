@@ -7,8 +7,8 @@
 // of the rows beside it, bit for bit; and the bias, GELU or residual sum is applied to the fp32 sums as each 32 x 32
 // block is finished, in cache, where oneDNN's product would be followed by a sweep over its whole output.
 //
-// The weight is packed once into B tiles: [ceil(N / 16)][ceil(K / 32)][16 pairs of k][16 columns][2] (bf16_tiles in
-// encoder.cpp), so each tile load is 1 KB in a row; x is read in place as A tiles (16 rows x 32 values, its row
+// The weight is packed once into B tiles: [ceil(N / 16)][ceil(K / 32)][16 pairs of k][16 columns][2] (kernels.bf16_tiles,
+// in Python), so each tile load is 1 KB in a row; x is read in place as A tiles (16 rows x 32 values, its row
 // stride apart). A thread takes a range of 32-column pairs of blocks and walks x in chunks that stay in L2 while its
 // weights stream past.
 #pragma once
@@ -16,8 +16,6 @@
 #include <ATen/Parallel.h>
 #include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -32,14 +30,14 @@ namespace xattn {
 #define XATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // Whether the CPU has AMX-TILE, AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) and AVX512-BF16 (leaf 7 subleaf 1: EAX
-// bit 5), and Linux gives this process the tile state (asked for as amx_supported asks).
+// bit 5), and Linux gives this process the tile state (amx_tile_state).
 inline bool amx_bf16_supported() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!vnni_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))
       return false;
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_tile_state();
   }();
   return ok;
 }
@@ -89,13 +87,12 @@ XATTN_AVX512_BF16 inline __m512 gelu16(__m512 x) {
 enum class Finish { kRound, kGelu, kAccumulate };
 
 struct TileProduct {
-  const uint16_t* x;  // [M, K] bfloat16, rows x_stride apart
+  const uint16_t* x;  // [M, K] bfloat16
   const uint16_t* w;  // B tiles [N / 16][K / 32][16][32]
   const float* bias;  // [N]
   void* out;          // [M, N]: bfloat16 (kRound, kGelu) or fp32 (kAccumulate)
   int64_t M, K, N;
   Finish how;
-  int64_t x_stride, out_stride;  // elements from one row to the next (K, N where 0)
 };
 
 // A finished block's sums [32][32] (rows of 32) waiting for their bias and finish: 16 values at a time, interleaved
@@ -110,7 +107,7 @@ XATTN_AVX512_BF16 inline void finish_vectors(const TileProduct& p, Pending& pend
   const int64_t last = count < 0 ? pending.total : std::min(pending.total, pending.next + count);
   for (; pending.next < last; ++pending.next) {
     const int64_t r = pending.next / pending.per_row, c = pending.next % pending.per_row * 16;
-    const int64_t n = pending.n0 + c, at = (pending.m0 + r) * p.out_stride + n;
+    const int64_t n = pending.n0 + c, at = (pending.m0 + r) * p.N + n;
     __m512 v = _mm512_add_ps(_mm512_load_ps(pending.sums + r * 32 + c), _mm512_loadu_ps(p.bias + n));
     if (p.how == Finish::kAccumulate) {
       float* y = static_cast<float*>(p.out) + at;
@@ -130,15 +127,14 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
   const int64_t ksteps = p.K / 32, blocks = p.N / 16, pairs = (p.M + 31) / 32;
   // x's rows per chunk: ~512 KB of x in L2 while this thread's weights stream past, in whole 32-row pairs
   const int64_t chunk = std::max<int64_t>(1, (512 * 1024) / (32 * p.K * 2));
-  alignas(64) float sums[2][32 * 32];  // the block being finished and the one being computed
-  int flip = 0;
+  alignas(64) float sums[32 * 32];  // the last block's, finished during the next block's products
   Pending pending;
   // each step of a block's products finishes this many of the previous block's (up to) 64 vectors
   const int64_t per_step = (64 + ksteps - 1) / ksteps;
   // the last pair's rows past M come from here, zeros (so no read goes past x)
-  std::vector<uint16_t> tail(32 * p.x_stride, 0);
+  std::vector<uint16_t> tail(32 * p.K, 0);
   const int64_t full = p.M / 32;
-  if (full < pairs) std::memcpy(tail.data(), p.x + full * 32 * p.x_stride, (p.M - full * 32) * p.x_stride * 2);
+  if (full < pairs) std::memcpy(tail.data(), p.x + full * 32 * p.K, (p.M - full * 32) * p.K * 2);
   for (int64_t c0 = 0; c0 < pairs; c0 += chunk)
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b0 = 2 * pair;
@@ -146,8 +142,8 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
       const uint16_t* w0 = p.w + b0 * ksteps * 512;
       const uint16_t* w1 = w0 + ksteps * 512;
       for (int64_t mp = c0; mp < std::min(c0 + chunk, pairs); ++mp) {
-        const uint16_t* x0 = mp < full ? p.x + mp * 32 * p.x_stride : tail.data();
-        const uint16_t* x1 = x0 + 16 * p.x_stride;
+        const uint16_t* x0 = mp < full ? p.x + mp * 32 * p.K : tail.data();
+        const uint16_t* x1 = x0 + 16 * p.K;
         XATTN_TILE_ZERO(4);
         XATTN_TILE_ZERO(6);
         if (two) {
@@ -155,8 +151,8 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
           XATTN_TILE_ZERO(7);
         }
         for (int64_t s = 0; s < ksteps; ++s) {
-          XATTN_TILE_LOAD(0, x0 + s * 32, p.x_stride * 2);
-          XATTN_TILE_LOAD(1, x1 + s * 32, p.x_stride * 2);
+          XATTN_TILE_LOAD(0, x0 + s * 32, p.K * 2);
+          XATTN_TILE_LOAD(1, x1 + s * 32, p.K * 2);
           XATTN_TILE_LOAD(2, w0 + s * 512, 64);
           XATTN_TILE_DOTS_BF16(4, 0, 2);
           XATTN_TILE_DOTS_BF16(6, 1, 2);
@@ -167,17 +163,15 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
           }
           finish_vectors(p, pending, per_step);
         }
-        finish_vectors(p, pending, -1);
-        float* out = sums[flip];
-        flip ^= 1;
-        XATTN_TILE_STORE(4, out, 128);
-        XATTN_TILE_STORE(6, out + 16 * 32, 128);
+        finish_vectors(p, pending, -1);  // sums is free again
+        XATTN_TILE_STORE(4, sums, 128);
+        XATTN_TILE_STORE(6, sums + 16 * 32, 128);
         if (two) {
-          XATTN_TILE_STORE(5, out + 16, 128);
-          XATTN_TILE_STORE(7, out + 16 * 32 + 16, 128);
+          XATTN_TILE_STORE(5, sums + 16, 128);
+          XATTN_TILE_STORE(7, sums + 16 * 32 + 16, 128);
         }
         const int64_t per_row = two ? 2 : 1;
-        pending = {out, mp * 32, b0 * 16, per_row, 0, std::min<int64_t>(32, p.M - mp * 32) * per_row};
+        pending = {sums, mp * 32, b0 * 16, per_row, 0, std::min<int64_t>(32, p.M - mp * 32) * per_row};
       }
     }
   finish_vectors(p, pending, -1);
@@ -185,9 +179,7 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
 }
 
 // p.out = finish(p.x p.w^T + p.bias); N a multiple of 16, K of 32 (the packed weight's shape checked by the caller).
-inline void tile_product(TileProduct p) {
-  p.x_stride = p.x_stride ? p.x_stride : p.K;
-  p.out_stride = p.out_stride ? p.out_stride : p.N;
+inline void tile_product(const TileProduct& p) {
   const int64_t pairs = (p.N / 16 + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) { tile_product_part(p, begin, end); });
 }

@@ -129,11 +129,6 @@ void int8_mlp(const std::vector<Packed>& packed, int64_t i, const at::Tensor& x,
   }
 }
 
-// A view of the first rows * cols entries of a flat workspace tensor as a contiguous [rows, cols] matrix.
-at::Tensor matrix(const at::Tensor& flat, int64_t rows, int64_t cols) {
-  return flat.narrow(0, 0, rows * cols).view({rows, cols});
-}
-
 // bfloat16 products: where the CPU has AMX or AVX-512 BF16, torch hands them to oneDNN, several times fbgemm's int8
 // rate. The passes between fp32 and bfloat16 around them are written here, each one sweep over rows in parallel:
 // torch's mixed-dtype add and its copies cost as much as the products themselves.

@@ -424,14 +424,20 @@ XATTN_VNNI inline void product_int8_vnni(const int8_t* xq, int64_t M, const Weig
 #define XATTN_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
 #define XATTN_TILE_DOTS(c, a, b) asm volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
 
-// Whether the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25) and Linux gives this process the tile
-// state, which it does only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; oneDNN asks the same).
+// Whether Linux gives this process the AMX tile state, which it does only when asked (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; oneDNN asks the same). Asked once.
+inline bool amx_tile_state() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// Whether the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25) and the tile state.
 inline bool amx_supported() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!vnni_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
       return false;
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_tile_state();
   }();
   return ok;
 }
