@@ -394,3 +394,23 @@ def test_encoder_layers_refuses(int8, change, message):
     change(args)
     with pytest.raises(RuntimeError, match=message):
         kernels.encoder_layers(**args)
+
+
+ATTENTION_CASES = [  # (qkv, images, heads, message): qkv [B * S, 3D] bfloat16 rows is valid with images=2, heads=2
+    pytest.param(lambda q: q.float(), 2, 2, r"qkv \[B \* S, 3D\]: expected", id="float32 qkv"),
+    pytest.param(lambda q: q.view(2, 10, -1), 2, 2, r"qkv \[B \* S, 3D\]: expected", id="3-d qkv"),
+    pytest.param(_non_contiguous, 2, 2, r"qkv \[B \* S, 3D\]", id="non-contiguous qkv"),
+    pytest.param(lambda q: q, 3, 2, r"images: expected a divisor of qkv's 20 rows", id="images not dividing rows"),
+    pytest.param(lambda q: q, 0, 2, r"images: expected a divisor", id="no images"),
+    pytest.param(lambda q: q[:0], 1, 2, r"images: expected a divisor of qkv's 0 rows", id="no rows"),
+    pytest.param(lambda q: q, 2, 5, r"heads: expected qkv's width 192", id="heads not dividing width"),
+    pytest.param(lambda q: q, 2, 0, r"heads: expected", id="no heads"),
+]
+
+
+@pytest.mark.parametrize("edit,images,heads,message", ATTENTION_CASES)
+def test_bf16_attention_refuses(edit, images, heads, message):
+    qkv = _randn(20, 3 * 2 * 32).bfloat16()
+    assert kernels.bf16_attention(qkv, 2, 2).shape == (20, 64)  # valid as built
+    with pytest.raises(RuntimeError, match=message):
+        kernels.bf16_attention(edit(qkv), images, heads)

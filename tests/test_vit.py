@@ -170,9 +170,10 @@ def test_bf16_tiles_hold_each_weight_value_where_amx_reads_it():
     assert torch.equal(at, padded)
 
 
-def test_bf16_tile_layers_do_the_tile_math():
+@pytest.mark.parametrize("heads", [4, 2])  # heads of 16: torch's attention; of 32: xattn's on the tiles
+def test_bf16_tile_layers_do_the_tile_math(heads):
     _amx_bf16_or_skip()
-    model = tile_vit(seed=11)
+    model = tile_vit(seed=11, num_attention_heads=heads)
     pixels = torch.randn(4, 3, 24, 24, generator=torch.Generator().manual_seed(12))  # 40 rows: a part-filled pair
     with torch.no_grad():
         want = model(pixel_values=pixels).last_hidden_state
@@ -189,14 +190,63 @@ def test_bf16_tile_layers_do_the_tile_math():
     assert relative_error(got, want) < relative_error(onednn(pixels)[0], want)
 
 
+@pytest.mark.parametrize("heads", [4, 2])
 @pytest.mark.parametrize("batch", [1, 3, 7])
-def test_bf16_tiles_give_each_image_what_it_gets_alone(batch):
+def test_bf16_tiles_give_each_image_what_it_gets_alone(batch, heads):
     _amx_bf16_or_skip()
-    encoder = ViTEncoder(tile_vit(seed=13), "bf16")
+    encoder = ViTEncoder(tile_vit(seed=13, num_attention_heads=heads), "bf16")
     pixels = torch.randn(7, 3, 24, 24, generator=torch.Generator().manual_seed(14))
     alone = torch.cat([encoder(pixels[i:i + 1])[0] for i in range(7)])
     together = torch.cat([encoder(pixels[i:i + batch])[0] for i in range(0, 7, batch)])
     assert torch.equal(together, alone)
+
+
+def torch_attention(qkv: torch.Tensor, images: int, heads: int) -> torch.Tensor:
+    """torch's scaled_dot_product_attention per image and head over rows qkv [B * S, 3D] (Q, K, V), in qkv's dtype,
+    as rows [B * S, D]: over views of qkv, as the ViT kernel calls it where its own does not run."""
+    rows, width = qkv.shape
+    split = qkv.view(images, rows // images, 3, heads, width // (3 * heads))
+    q, k, v = (split.select(2, i).transpose(1, 2) for i in range(3))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(rows, width // 3)
+
+
+@pytest.mark.parametrize("images,positions,heads,hd,spread", [
+    (1, 1, 1, 32, 1.0), (2, 17, 2, 64, 1.0), (3, 33, 3, 64, 4.0), (1, 197, 12, 64, 1.0), (2, 64, 2, 128, 2.0),
+    (2, 31, 1, 96, 8.0), (1, 16, 2, 32, 1.0)])
+def test_tile_attention_is_torchs_attention_up_to_rounding(images, positions, heads, hd, spread):
+    """Against the fp32 math over the same bfloat16 Q, K, V: as close as torch's own bfloat16 attention, whatever the
+    positions (a part-filled row pair, key block or step of 32 keys) and head widths that are multiples of 32;
+    `spread` scales the inputs (x 8: scores in the hundreds, the softmax near one-hot)."""
+    _amx_bf16_or_skip()
+    generator = torch.Generator().manual_seed(positions * hd)
+    qkv = (torch.randn(images * positions, 3 * heads * hd, generator=generator) * spread).bfloat16()
+    exact = torch_attention(qkv.float(), images, heads)
+    torchs = torch_attention(qkv, images, heads).float()
+    got = kernels.bf16_attention(qkv, images, heads)
+    assert got.dtype == torch.bfloat16 and got.shape == (images * positions, heads * hd)
+    if positions == 1:  # one key: the output is V, exactly
+        assert torch.equal(got, qkv[:, 2 * heads * hd:])
+        return
+    assert relative_error(got.float(), exact) < 1.1 * relative_error(torchs, exact)
+    assert relative_error(got.float(), torchs) < 1.5 * relative_error(torchs, exact)
+    alone = torch.cat([kernels.bf16_attention(part.contiguous(), 1, heads) for part in qkv.chunk(images)])
+    assert torch.equal(alone, got)  # each image's result is its own
+
+
+def test_attention_of_narrower_heads_is_torchs():
+    """Heads of 16 (not a multiple of 32) run torch's attention: its bits."""
+    qkv = torch.randn(2 * 10, 3 * 4 * 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(kernels.bf16_attention(qkv, 2, 4), torch_attention(qkv, 2, 4))
+
+
+def test_a_nan_in_tile_attention_stays_in_its_image_and_head():
+    _amx_bf16_or_skip()
+    qkv = torch.randn(2 * 20, 3 * 2 * 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+    clean = kernels.bf16_attention(qkv, 2, 2)
+    qkv[3, 2 * 32 + 5] = float("nan")  # image 0, position 3: a value of head 0's key
+    got = kernels.bf16_attention(qkv, 2, 2)
+    assert torch.isnan(got[:20, :32]).all()  # every query of image 0 reads that key
+    assert torch.equal(got[:20, 32:], clean[:20, 32:]) and torch.equal(got[20:], clean[20:])
 
 
 def test_tiles_are_refused_where_they_cannot_run():

@@ -1,4 +1,4 @@
-"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, bf16.h, amx_bf16.h, matvec.cpp, layers.cpp,
+"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, bf16.h, amx_bf16.h, amx_attention.h, matvec.cpp, layers.cpp,
 screen.cpp, encoder.cpp, cache_rows.cpp, beam_candidates.cpp, cross_heads.cpp, argmax_rows.cpp), compiled on first
 use with the system's g++ against torch's headers.
 
@@ -44,7 +44,7 @@ _SOURCES = [os.path.join(_HERE, name)
             for name in ("matvec.cpp", "layers.cpp", "screen.cpp", "encoder.cpp", "cache_rows.cpp",
                          "beam_candidates.cpp", "cross_heads.cpp", "argmax_rows.cpp")]
 _HEADERS = [os.path.join(_HERE, name)
-            for name in ("products.h", "rowwise.h", "checks.h", "bf16.h", "amx_bf16.h")]
+            for name in ("products.h", "rowwise.h", "checks.h", "bf16.h", "amx_bf16.h", "amx_attention.h")]
 _state: dict = {}
 
 
@@ -153,6 +153,13 @@ def encoder_layers(hidden, norm_weight, norm_bias, weights, biases, packed, head
     encoder.cpp)."""
     torch.ops.xattn_kernels.encoder_layers(hidden, norm_weight, norm_bias, weights, biases, packed, heads, eps,
                                            workspace)
+
+
+def bf16_attention(qkv: torch.Tensor, images: int, heads: int) -> torch.Tensor:
+    """The ViT kernel's attention: ctx [B * S, D] = softmax(Q K^T / sqrt(hd)) V per image and head, Q, K, V the
+    thirds of qkv [B * S, 3D] (bfloat16 rows), fp32 sums and softmax, bfloat16 result; on AMX tiles where the CPU has
+    AMX-BF16 and hd is a multiple of 32 (amx_attention.h), else torch's attention."""
+    return torch.ops.xattn_kernels.bf16_attention(qkv, images, heads)
 
 
 def reorder_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, valid: int) -> None:

@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "amx_attention.h"
 #include "amx_bf16.h"
 #include "bf16.h"
 #include "checks.h"
@@ -159,16 +160,33 @@ at::Tensor biased_product(const at::Tensor& x, const at::Tensor& weight, const a
   return fused->call(x, weight, bias, gelu ? "gelu" : "none", c10::List<std::optional<at::Scalar>>(), "none");
 }
 
-// Attention over qkv [B * S, 3D] (bfloat16 rows: Q, K, V) -> [B * S, D] bfloat16 rows: torch's attention over
-// bfloat16 Q, K, V (its flash attention, fp32 sums and softmax; each image's result independent of the others).
+// Attention over qkv [B * S, 3D] (bfloat16 rows: Q, K, V) -> [B * S, D] bfloat16 rows, fp32 sums and softmax, each
+// image's result independent of the others: on AMX tiles where the CPU has AMX-BF16 and the head width is a multiple
+// of 32 (amx_attention.h), else torch's attention over bfloat16 Q, K, V (its flash attention).
 at::Tensor bf16_attention(const at::Tensor& qkv, int64_t B, int64_t S, int64_t H) {
-  const int64_t D = qkv.size(1) / 3;
-  const at::Tensor heads = qkv.view({B, S, 3, H, D / H});
+  const int64_t D = qkv.size(1) / 3, hd = D / H;
+  if (xattn::amx_bf16_supported() && hd % 32 == 0) {
+    at::Tensor ctx = at::empty({B * S, D}, qkv.options());
+    xattn::tile_attention(bf16_data(qkv), B, S, H, hd, static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
+                          bf16_data(ctx));
+    return ctx;
+  }
+  const at::Tensor heads = qkv.view({B, S, 3, H, hd});
   const at::Tensor ctx = at::scaled_dot_product_attention(heads.select(2, 0).transpose(1, 2),
                                                           heads.select(2, 1).transpose(1, 2),
                                                           heads.select(2, 2).transpose(1, 2));
   // [B, H, S, hd] as rows [B * S, D]: torch's output is laid out in row order already (otherwise reshape copies)
   return ctx.transpose(1, 2).reshape({B * S, D}).contiguous();
+}
+
+// The op: bf16_attention over qkv [B * S, 3D] bfloat16 for B images and H heads.
+at::Tensor attention_op(const at::Tensor& qkv, int64_t images, int64_t heads) {
+  xattn::check_kind(qkv, at::kBFloat16, 2, true, "qkv [B * S, 3D]");
+  TORCH_CHECK(images > 0 && qkv.size(0) % images == 0 && qkv.size(0) > 0, "images: expected a divisor of qkv's ",
+              qkv.size(0), " rows, got ", images);
+  TORCH_CHECK(heads > 0 && qkv.size(1) % (3 * heads) == 0, "heads: expected qkv's width ", qkv.size(1),
+              " to be 3 x heads x head width, got heads=", heads);
+  return bf16_attention(qkv, images, qkv.size(0) / images, heads);
 }
 
 // h += out(attention(qkv(x))) over x [M, D] in bfloat16, with bfloat16 products and torch's attention over bfloat16
@@ -342,8 +360,11 @@ TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
       "encoder_layers(Tensor(a!) hidden, Tensor norm_weight, Tensor norm_bias, Tensor[] weights, Tensor[] biases, "
       "__torch__.torch.classes.quantized.LinearPackedParamsBase[] packed, int heads, float eps, "
       "Tensor(b!)[] workspace) -> ()");
+  m.def("bf16_attention(Tensor qkv, int images, int heads) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) { m.def("amx_bf16() -> bool", [] { return xattn::amx_bf16_supported(); }); }
 
-TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) { m.impl("encoder_layers", &encoder_layers); }
+TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) { m.impl("encoder_layers", &encoder_layers);
+  m.impl("bf16_attention", &attention_op);
+}
