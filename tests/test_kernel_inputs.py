@@ -323,10 +323,11 @@ ENCODER_CASES = [  # (int8, change, message)
 
 
 def bf16_encoder_args():
-    """bfloat16 weights: a workspace of two bfloat16 tensors [M, D], the products' inputs and outputs."""
+    """bfloat16 weights: a workspace of three bfloat16 tensors, the products' inputs and outputs [M, D] and their
+    wide results [M, max(3D, F)]."""
     args = encoder_args()
     args["weights"] = [w.bfloat16() for w in args["weights"]]
-    args["workspace"] = [torch.empty(M, D, dtype=torch.bfloat16) for _ in range(2)]
+    args["workspace"] = [torch.empty(M, n, dtype=torch.bfloat16) for n in (D, D, max(3 * D, F_VIT))]
     return args
 
 
@@ -335,7 +336,9 @@ BF16_ENCODER_CASES = [  # (change, message)
                  r"contiguous CPU bfloat16", id="one fp32 weight among bfloat16"),
     pytest.param(_replace("weights", 2, lambda: _randn(F_VIT).bfloat16()),
                  r"weights\[2\] \(layer 0 fc1 \[F, D\], or its tiles", id="fc1 weight 1-d"),
-    pytest.param(_edit("workspace", lambda w: w[:1]), r"workspace: expected 2 tensors", id="one bfloat16 workspace"),
+    pytest.param(_edit("workspace", lambda w: w[:2]), r"workspace: expected 3 tensors", id="two bfloat16 workspaces"),
+    pytest.param(_replace("workspace", 2, lambda: torch.empty(M, 3 * D - 1, dtype=torch.bfloat16)),
+                 r"workspace\[2\] \(bfloat16 wide results", id="wide results one column short"),
     pytest.param(_replace("workspace", 1, lambda: torch.empty(M - 1, D, dtype=torch.bfloat16)),
                  r"workspace\[1\] \(bfloat16 outputs", id="outputs one row short"),
     pytest.param(_replace("workspace", 0, lambda: torch.empty(M, D)), r"workspace\[0\] \(bfloat16 inputs",

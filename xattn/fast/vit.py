@@ -116,12 +116,13 @@ class ViTEncoder(nn.Module):
 
     def _workspace_for(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """x, qkv, ctx, tmp [M, D or 3D] and ff [M, F] for M = B * S rows, kept for the next batch of this size;
-        bf16: the products' bfloat16 inputs and outputs [M, D] alone."""
+        bf16: the products' bfloat16 inputs and outputs [M, D] and their wide results [M, max(3D, F)]."""
         rows, width = hidden.shape[0] * hidden.shape[1], hidden.shape[2]
         if not self._workspace or self._workspace[0].shape[0] != rows:
             self._workspace = []  # the old one freed first
             if self.kind == "bf16":
-                self._workspace = [torch.empty(rows, width, dtype=torch.bfloat16) for _ in range(2)]
+                self._workspace = [torch.empty(rows, n, dtype=torch.bfloat16)
+                                   for n in (width, width, max(3 * width, self._inner))]
             else:
                 self._workspace = [torch.empty(rows, n) for n in (width, 3 * width, width, width, self._inner)]
         return self._workspace

@@ -160,23 +160,19 @@ at::Tensor biased_product(const at::Tensor& x, const at::Tensor& weight, const a
   return fused->call(x, weight, bias, gelu ? "gelu" : "none", c10::List<std::optional<at::Scalar>>(), "none");
 }
 
-// Attention over qkv [B * S, 3D] (bfloat16 rows: Q, K, V) -> [B * S, D] bfloat16 rows, fp32 sums and softmax, each
-// image's result independent of the others: on AMX tiles where the CPU has AMX-BF16 and the head width is a multiple
-// of 32 (amx_attention.h), else torch's attention over bfloat16 Q, K, V (its flash attention).
-at::Tensor bf16_attention(const at::Tensor& qkv, int64_t B, int64_t S, int64_t H) {
+// Attention over qkv [B * S, 3D] (bfloat16 rows: Q, K, V) into ctx [B * S, D] bfloat16 rows, fp32 sums and softmax,
+// each image's result independent of the others: on AMX tiles where the CPU has AMX-BF16 and the head width is a
+// multiple of 32 (amx_attention.h), else torch's attention over bfloat16 Q, K, V (its flash attention).
+void bf16_attention(const at::Tensor& qkv, int64_t B, int64_t S, int64_t H, const at::Tensor& ctx) {
   const int64_t D = qkv.size(1) / 3, hd = D / H;
-  if (xattn::amx_bf16_supported() && hd % 32 == 0) {
-    at::Tensor ctx = at::empty({B * S, D}, qkv.options());
-    xattn::tile_attention(bf16_data(qkv), B, S, H, hd, static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
-                          bf16_data(ctx));
-    return ctx;
-  }
+  if (xattn::amx_bf16_supported() && hd % 32 == 0)
+    return xattn::tile_attention(bf16_data(qkv), B, S, H, hd,
+                                 static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))), bf16_data(ctx));
   const at::Tensor heads = qkv.view({B, S, 3, H, hd});
-  const at::Tensor ctx = at::scaled_dot_product_attention(heads.select(2, 0).transpose(1, 2),
+  const at::Tensor out = at::scaled_dot_product_attention(heads.select(2, 0).transpose(1, 2),
                                                           heads.select(2, 1).transpose(1, 2),
                                                           heads.select(2, 2).transpose(1, 2));
-  // [B, H, S, hd] as rows [B * S, D]: torch's output is laid out in row order already (otherwise reshape copies)
-  return ctx.transpose(1, 2).reshape({B * S, D}).contiguous();
+  ctx.view({B, S, H, hd}).copy_(out.transpose(1, 2));  // [B, H, S, hd] as rows
 }
 
 // The op: bf16_attention over qkv [B * S, 3D] bfloat16 for B images and H heads.
@@ -186,18 +182,20 @@ at::Tensor attention_op(const at::Tensor& qkv, int64_t images, int64_t heads) {
               qkv.size(0), " rows, got ", images);
   TORCH_CHECK(heads > 0 && qkv.size(1) % (3 * heads) == 0, "heads: expected qkv's width ", qkv.size(1),
               " to be 3 x heads x head width, got heads=", heads);
-  return bf16_attention(qkv, images, qkv.size(0) / images, heads);
+  at::Tensor ctx = at::empty({qkv.size(0), qkv.size(1) / 3}, qkv.options());
+  bf16_attention(qkv, images, qkv.size(0) / images, heads, ctx);
+  return ctx;
 }
 
-// h += out(attention(qkv(x))) over x [M, D] in bfloat16, with bfloat16 products and torch's attention over bfloat16
-// Q, K, V (its flash attention, fp32 sums and softmax; oneDNN's tiles where the CPU has AMX), the qkv bias added
-// before Q, K, V are rounded. out [M, D]: the out projection's bfloat16 result; oneDNN and torch give Q, K, V and
-// the attention's output fresh memory.
+// h += out(attention(qkv(x))) over x [M, D] in bfloat16, with oneDNN's bfloat16 products and bf16_attention over
+// bfloat16 Q, K, V, the qkv bias added before Q, K, V are rounded. ctx [M, D]: the attention's output; out [M, D]:
+// the out projection's bfloat16 result; oneDNN gives Q, K, V fresh memory.
 void bf16_attention_block(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& qkv_bias,
                           const at::Tensor& out_weight, const at::Tensor& out_bias, int64_t B, int64_t S, int64_t H,
-                          at::Tensor& out, const at::Tensor& h) {
+                          const at::Tensor& ctx, at::Tensor& out, const at::Tensor& h) {
   const at::Tensor qkv = biased_product(x, qkv_weight, qkv_bias, false);
-  at::mm_out(out, bf16_attention(qkv, B, S, H), out_weight.t());
+  bf16_attention(qkv, B, S, H, ctx);
+  at::mm_out(out, ctx, out_weight.t());
   widen_rows(out, out_bias, h, Store::kAdd);
 }
 
@@ -206,8 +204,9 @@ void bf16_attention_block(const at::Tensor& x, const at::Tensor& qkv_weight, con
 // [N, K] with fp32 `biases` [N]. norm_weight/norm_bias: [L, 2, D] (before and after attention). workspace, for fp32
 // and int8 weights: x [M, D], qkv [M, 3D], ctx [M, D], tmp [M, D], ff [M, F] with M = B * S (tmp and ff are used by
 // fp32 weights only: int8 ones run the MLP and the residual sums block by block). For bfloat16 weights: the products'
-// bfloat16 inputs and outputs [M, D] (the wider results, Q, K, V and fc2's input, are oneDNN's fresh tensors): the
-// norms' outputs and so each product's input are rounded to bfloat16, attention runs over bfloat16 Q, K, V, the
+// bfloat16 inputs [M, D], outputs [M, D] (the attention's, the tiles'; oneDNN's out and fc2 products') and wide
+// results [M, max(3D, F)] (the tiles' Q, K, V and fc2 inputs; oneDNN's attention output, its own products' wide
+// results being fresh tensors): the norms' outputs and so each product's input are rounded to bfloat16, attention runs over bfloat16 Q, K, V, the
 // biases and GELU are added in fp32 before a result is rounded, and the residual stream stays fp32
 // (bf16_attention_block, biased_product). Every argument is checked before hidden is written, except the int8
 // products' widths, which fbgemm's packed weights tell only by their bias (checked first) or their product.
@@ -224,14 +223,16 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   const bool bf16 = !weights.empty() && weights[0].scalar_type() == at::kBFloat16;
   int64_t F;
   if (bf16) {
-    TORCH_CHECK(workspace.size() == 2, "workspace: expected 2 tensors with bfloat16 weights (the products' "
-                "bfloat16 inputs and outputs), got ", workspace.size());
-    xattn::check_tensor(workspace[0], at::kBFloat16, {M, D}, "workspace[0] (bfloat16 inputs [M, D], M = B * S)");
-    xattn::check_tensor(workspace[1], at::kBFloat16, {M, D}, "workspace[1] (bfloat16 outputs [M, D], M = B * S)");
     TORCH_CHECK(weights.size() > 2 && (weights[2].dim() == 2 || weights[2].dim() == 4) && weights[2].size(0) > 0,
                 "weights[2] (layer 0 fc1 [F, D], or its tiles [F / 16, D / 32, 16, 32]): expected a 2-d or 4-d "
                 "weight, got ", weights.size() > 2 ? xattn::describe(weights[2]) : std::string("none"));
     F = weights[2].dim() == 2 ? weights[2].size(0) : weights[2].size(0) * 16;
+    TORCH_CHECK(workspace.size() == 3, "workspace: expected 3 tensors with bfloat16 weights (the products' "
+                "bfloat16 inputs [M, D], outputs [M, D] and wide results [M, max(3D, F)]), got ", workspace.size());
+    xattn::check_tensor(workspace[0], at::kBFloat16, {M, D}, "workspace[0] (bfloat16 inputs [M, D], M = B * S)");
+    xattn::check_tensor(workspace[1], at::kBFloat16, {M, D}, "workspace[1] (bfloat16 outputs [M, D], M = B * S)");
+    xattn::check_tensor(workspace[2], at::kBFloat16, {M, std::max(3 * D, F)},
+                        "workspace[2] (bfloat16 wide results [M, max(3D, F)], M = B * S)");
   } else {
     TORCH_CHECK(workspace.size() == 5, "workspace: expected 5 tensors (x, qkv, ctx, tmp, ff), got ",
                 workspace.size());
@@ -288,8 +289,11 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
   float* hp = h.data_ptr<float>();
   const float* gammas = norm_weight.data_ptr<float>();
   const float* betas = norm_bias.data_ptr<float>();
+  // [M, width] bfloat16 rows at the start of the wide workspace (Q, K, V, then the MLP's inner activations): kept
+  // between calls, since fresh tensors this size cost their page faults again on every layer
+  auto wide = [&](int64_t width) { return workspace[2].view(-1).narrow(0, 0, M * width).view({M, width}); };
   if (tiles) {  // the norms write the products' bfloat16 inputs directly; each product finishes its own output
-    const at::Tensor in_bf16 = workspace[0];
+    const at::Tensor in_bf16 = workspace[0], ctx = workspace[1];
     const uint16_t* in = bf16_data(in_bf16);
     auto product = [&](const uint16_t* x, int64_t i, void* out, int64_t K, int64_t N, xattn::Finish how) {
       xattn::tile_product({x, bf16_data(weights[i]), biases[i].data_ptr<float>(), out, M, K, N, how});
@@ -298,12 +302,12 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
       const float* gamma = gammas + l * 2 * D;
       const float* beta = betas + l * 2 * D;
       xattn::layer_norm(hp, M, D, gamma, beta, eps, bf16_data(in_bf16));
-      const at::Tensor qkv = at::empty({M, 3 * D}, in_bf16.options());
+      const at::Tensor qkv = wide(3 * D);
       product(in, 4 * l, bf16_data(qkv), D, 3 * D, xattn::Finish::kRound);
-      const at::Tensor ctx = bf16_attention(qkv, B, S, heads);
+      bf16_attention(qkv, B, S, heads, ctx);
       product(bf16_data(ctx), 4 * l + 1, hp, D, D, xattn::Finish::kAccumulate);
       xattn::layer_norm(hp, M, D, gamma + D, beta + D, eps, bf16_data(in_bf16));
-      const at::Tensor inner = at::empty({M, F}, in_bf16.options());
+      const at::Tensor inner = wide(F);
       product(in, 4 * l + 2, bf16_data(inner), D, F, xattn::Finish::kGelu);
       product(bf16_data(inner), 4 * l + 3, hp, F, D, xattn::Finish::kAccumulate);
     }
@@ -317,7 +321,7 @@ void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, con
       const float* beta = betas + l * 2 * D;
       xattn::layer_norm(hp, M, D, gamma, beta, eps, bf16_data(in_bf16));
       bf16_attention_block(in_bf16, weights[4 * l], biases[4 * l], weights[4 * l + 1], biases[4 * l + 1], B, S,
-                           heads, out_bf16, h);
+                           heads, wide(D), out_bf16, h);
       xattn::layer_norm(hp, M, D, gamma + D, beta + D, eps, bf16_data(in_bf16));
       const at::Tensor inner = biased_product(in_bf16, weights[4 * l + 2], biases[4 * l + 2], true);
       at::mm_out(out_bf16, inner, weights[4 * l + 3].t());
