@@ -7,7 +7,7 @@ import torch
 
 import xattn
 from conftest import tiny_captioner
-from xattn.fast import kernels
+from xattn.fast import formats, kernels
 from xattn.fast.formats import BF16Linear
 
 pytestmark = pytest.mark.kernels
@@ -42,6 +42,21 @@ def test_cross_key_values_through_the_kernel_equal_the_generic_path(decoder_weig
     want_keys, want_values = engine.decoder.cross_key_values(states)
     assert keys.dtype == want_keys.dtype == (torch.float16 if decoder_weights == "int8" else torch.float32)
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_the_projection_runs_into_one_buffer_per_thread_kept_for_the_next_batch_of_its_size(monkeypatch):
+    engine = xattn.from_hf(tiny_captioner(seed=3)).with_weights("int8", encoder_weights="bf16")
+    states = torch.randn(5, 17, 32, generator=torch.Generator().manual_seed(4))
+    first = engine.decoder.cross_key_values(states)
+    held = formats._scratches.tensor
+    assert held.shape == (5 * 17, 64) and held.dtype == torch.bfloat16
+    again = engine.decoder.cross_key_values(states)
+    assert formats._scratches.tensor is held  # the same size: the same buffer
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    fewer = engine.decoder.cross_key_values(states[:2])
+    assert formats._scratches.tensor.shape == (2 * 17, 64)  # another size: replaced
+    monkeypatch.setattr(BF16Linear, "into_heads", lambda *args: False)
+    assert all(torch.equal(a, b) for a, b in zip(fewer, engine.decoder.cross_key_values(states[:2])))
 
 
 def _args():

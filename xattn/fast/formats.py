@@ -143,8 +143,26 @@ class BF16Linear(_Copy):
         if not kernels.available():
             return False
         bias = self.bias if self.bias is not None else torch.zeros(self.out_features)
-        kernels.cross_heads(F.linear(x.to(torch.bfloat16), self.weight).contiguous(), bias, keys, values)
+        n, positions, _ = x.shape
+        # the product into a buffer this thread keeps (F.linear's same bits): a fresh [n, S, 2D] result on every
+        # layer costs as much again in page faults as the product itself
+        kv = _scratch(n * positions, self.out_features)
+        torch.mm(x.to(torch.bfloat16).reshape(n * positions, -1), self.weight.t(), out=kv)
+        kernels.cross_heads(kv.view(n, positions, -1), bias, keys, values)
         return True
+
+
+_scratches = threading.local()
+
+
+def _scratch(rows: int, width: int) -> torch.Tensor:
+    """A [rows, width] bfloat16 tensor this thread keeps for the next call of the same size (cross K/V projections:
+    one per layer, then the next batch's)."""
+    held = getattr(_scratches, "tensor", None)
+    if held is None or held.shape != (rows, width):
+        _scratches.tensor = None  # the old one freed first
+        held = _scratches.tensor = torch.empty(rows, width, dtype=torch.bfloat16)
+    return held
 
 
 class Int8Linear(_Copy):
