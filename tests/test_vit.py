@@ -191,13 +191,13 @@ def test_bf16_tile_layers_do_the_tile_math(heads):
 
 
 @pytest.mark.parametrize("heads", [4, 2])
-@pytest.mark.parametrize("batch", [1, 3, 7])
+@pytest.mark.parametrize("batch", [1, 3, 7, 52])  # 52 x 10 rows: the threads split the rows, not the columns
 def test_bf16_tiles_give_each_image_what_it_gets_alone(batch, heads):
     _amx_bf16_or_skip()
     encoder = ViTEncoder(tile_vit(seed=13, num_attention_heads=heads), "bf16")
-    pixels = torch.randn(7, 3, 24, 24, generator=torch.Generator().manual_seed(14))
-    alone = torch.cat([encoder(pixels[i:i + 1])[0] for i in range(7)])
-    together = torch.cat([encoder(pixels[i:i + batch])[0] for i in range(0, 7, batch)])
+    pixels = torch.randn(52, 3, 24, 24, generator=torch.Generator().manual_seed(14))
+    alone = torch.cat([encoder(pixels[i:i + 1])[0] for i in range(52)])
+    together = torch.cat([encoder(pixels[i:i + batch])[0] for i in range(0, 52, batch)])
     assert torch.equal(together, alone)
 
 

@@ -39,18 +39,6 @@ XATTN_AVX512_BF16 inline __m512 exp2_16(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
-// A zeroed array of n T on 64-byte boundaries.
-template <typename T>
-struct Lines {
-  std::unique_ptr<T[], decltype(&std::free)> memory;
-  explicit Lines(int64_t n)
-      : memory(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)), &std::free) {
-    TORCH_CHECK(memory, "out of memory for ", n * sizeof(T), " bytes of attention buffers");
-    std::memset(memory.get(), 0, n * sizeof(T));
-  }
-  T* data() const { return memory.get(); }
-};
-
 // Per-thread buffers for one call's shape; the padding (rows and keys past S) is zeroed once and never written.
 struct AttentionBuffers {
   int64_t S, hd, rows, keys;  // rows: S rounded up to 32 (query row pairs); keys: S rounded up to 32

@@ -9,8 +9,8 @@
 //
 // The weight is packed once into B tiles: [ceil(N / 16)][ceil(K / 32)][16 pairs of k][16 columns][2] (kernels.bf16_tiles,
 // in Python), so each tile load is 1 KB in a row; x is read in place as A tiles (16 rows x 32 values, its row
-// stride apart). A thread takes a range of 32-column pairs of blocks and walks x in chunks that stay in L2 while its
-// weights stream past.
+// stride apart). A thread takes a range of 32-row pairs (of 32-column pairs of blocks where the rows are few) and
+// walks its rows in chunks that stay in L2 while the weights stream past.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -19,7 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "products.h"
 #include "rowwise.h"
@@ -41,6 +43,18 @@ inline bool amx_bf16_supported() {
   }();
   return ok;
 }
+
+// A zeroed array of n T on 64-byte boundaries: a tile row that straddles two cache lines costs two loads.
+template <typename T>
+struct Lines {
+  std::unique_ptr<T[], decltype(&std::free)> memory;
+  explicit Lines(int64_t n)
+      : memory(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)), &std::free) {
+    TORCH_CHECK(memory, "out of memory for ", n * sizeof(T), " bytes of attention buffers");
+    std::memset(memory.get(), 0, n * sizeof(T));
+  }
+  T* data() const { return memory.get(); }
+};
 
 // Every tile 16 rows x 64 bytes: 16 x 32 bfloat16 (an A operand), 16 pairs x 16 columns (a B operand), 16 x 16 fp32.
 struct alignas(64) SquareTiles {
@@ -120,11 +134,12 @@ XATTN_AVX512_BF16 inline void finish_vectors(const TileProduct& p, Pending& pend
   }
 }
 
-// Column pairs [begin, end) of p on this thread.
-XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t begin, int64_t end) {
+// Row pairs [rows_begin, rows_end) x column pairs [begin, end) of p on this thread.
+XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t rows_begin, int64_t rows_end,
+                                                int64_t begin, int64_t end) {
   const SquareTiles config;
   asm volatile("ldtilecfg %0" ::"m"(config) : "memory");
-  const int64_t ksteps = p.K / 32, blocks = p.N / 16, pairs = (p.M + 31) / 32;
+  const int64_t ksteps = p.K / 32, blocks = p.N / 16;
   // x's rows per chunk: ~512 KB of x in L2 while this thread's weights stream past, in whole 32-row pairs
   const int64_t chunk = std::max<int64_t>(1, (512 * 1024) / (32 * p.K * 2));
   alignas(64) float sums[32 * 32];  // the last block's, finished during the next block's products
@@ -132,16 +147,16 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
   // each step of a block's products finishes this many of the previous block's (up to) 64 vectors
   const int64_t per_step = (64 + ksteps - 1) / ksteps;
   // the last pair's rows past M come from here, zeros (so no read goes past x)
-  std::vector<uint16_t> tail(32 * p.K, 0);
+  Lines<uint16_t> tail(32 * p.K);
   const int64_t full = p.M / 32;
-  if (full < pairs) std::memcpy(tail.data(), p.x + full * 32 * p.K, (p.M - full * 32) * p.K * 2);
-  for (int64_t c0 = 0; c0 < pairs; c0 += chunk)
+  if (full < rows_end) std::memcpy(tail.data(), p.x + full * 32 * p.K, (p.M - full * 32) * p.K * 2);
+  for (int64_t c0 = rows_begin; c0 < rows_end; c0 += chunk)
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b0 = 2 * pair;
       const bool two = b0 + 1 < blocks;
       const uint16_t* w0 = p.w + b0 * ksteps * 512;
       const uint16_t* w1 = w0 + ksteps * 512;
-      for (int64_t mp = c0; mp < std::min(c0 + chunk, pairs); ++mp) {
+      for (int64_t mp = c0; mp < std::min(c0 + chunk, rows_end); ++mp) {
         const uint16_t* x0 = mp < full ? p.x + mp * 32 * p.K : tail.data();
         const uint16_t* x1 = x0 + 16 * p.K;
         XATTN_TILE_ZERO(4);
@@ -179,9 +194,15 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t be
 }
 
 // p.out = finish(p.x p.w^T + p.bias); N a multiple of 16, K of 32 (the packed weight's shape checked by the caller).
+// The threads split the rows where there are enough of them: each then reads the rows it wrote in the step before
+// (the norms and the attention split rows alike), not half of them from the other core's cache; few rows, the
+// columns. Either way every value is the same tile steps.
 inline void tile_product(const TileProduct& p) {
-  const int64_t pairs = (p.N / 16 + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) { tile_product_part(p, begin, end); });
+  const int64_t rows = (p.M + 31) / 32, columns = (p.N / 16 + 1) / 2;
+  if (rows >= 8 * at::get_num_threads())
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) { tile_product_part(p, begin, end, 0, columns); });
+  else
+    at::parallel_for(0, columns, 1, [&](int64_t begin, int64_t end) { tile_product_part(p, 0, rows, begin, end); });
 }
 
 }  // namespace xattn
