@@ -25,20 +25,6 @@
 
 namespace xattn {
 
-// 2^t in 16 lanes: t = n + f with n the nearest integer, 2^f on [-1/2, 1/2] by a degree-5 polynomial (a Chebyshev
-// fit, relative error < 2e-7, as expf's), times 2^n by scalef (0 far below, no clamp needed).
-XATTN_AVX512_BF16 inline __m512 exp2_16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.34004327e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67603736e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55032715e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40221068e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147182e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000012f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Per-thread buffers for one call's shape; the padding (rows and keys past S) is zeroed once and never written.
 struct AttentionBuffers {
   int64_t S, hd, rows, keys;  // rows: S rounded up to 32 (query row pairs); keys: S rounded up to 32

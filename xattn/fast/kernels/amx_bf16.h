@@ -63,18 +63,20 @@ struct alignas(64) SquareTiles {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
-// e^x for x <= 0 in 16 lanes: exp8's steps and constants (rowwise.h)
-XATTN_AVX512_BF16 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), x);
-  __m512 y = _mm512_set1_ps(kExpPolynomial[0]);
-  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPolynomial[i]));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+// 2^t in 16 lanes: t = n + f with n the nearest integer, 2^f on [-1/2, 1/2] by a degree-5 polynomial (a Chebyshev
+// fit, relative error < 2e-7, as expf's), times 2^n by scalef; t clamped at -150 (2^t rounds to 0 below it) so
+// that -inf gives 0, not inf - inf.
+XATTN_AVX512_BF16 inline __m512 exp2_16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-150.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.34004327e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67603736e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55032715e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40221068e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147182e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000012f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // The exact (erf) GELU, x (1 + erf(x / sqrt 2)) / 2, with erfc(z) for z = |x| / sqrt 2 from Abramowitz and Stegun's
@@ -90,7 +92,7 @@ XATTN_AVX512_BF16 inline __m512 gelu16(__m512 x) {
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-0.284496736f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(0.254829592f));
-  const __m512 erfc = _mm512_mul_ps(_mm512_mul_ps(poly, t), exp16(_mm512_mul_ps(_mm512_mul_ps(z, z), _mm512_set1_ps(-1.f))));
+  const __m512 erfc = _mm512_mul_ps(_mm512_mul_ps(poly, t), exp2_16(_mm512_mul_ps(_mm512_mul_ps(z, z), _mm512_set1_ps(-kLog2e))));
   const __m512 half_tail = _mm512_mul_ps(_mm512_mul_ps(x, erfc), _mm512_set1_ps(0.5f));
   const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
   return _mm512_mask_blend_ps(negative, _mm512_sub_ps(x, half_tail), half_tail);
