@@ -67,7 +67,7 @@ struct alignas(64) SquareTiles {
 // fit, relative error < 2e-7, as expf's), times 2^n by scalef; t clamped at -150 (2^t rounds to 0 below it) so
 // that -inf gives 0, not inf - inf.
 XATTN_AVX512_BF16 inline __m512 exp2_16(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-150.f));
+  t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);  // t second: a NaN passes through
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.34004327e-3f);
