@@ -142,8 +142,9 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t ro
   const SquareTiles config;
   asm volatile("ldtilecfg %0" ::"m"(config) : "memory");
   const int64_t ksteps = p.K / 32, blocks = p.N / 16;
-  // x's rows per chunk: ~512 KB of x in L2 while this thread's weights stream past, in whole 32-row pairs
-  const int64_t chunk = std::max<int64_t>(1, (512 * 1024) / (32 * p.K * 2));
+  // x's rows per chunk: ~512 KB of x in L2 while the weights stream past, in whole 32-row pairs, but at least 5 pairs:
+  // each chunk reads every weight panel from L3 again, and at a wide K (fc2) fewer rows cannot cover that read
+  const int64_t chunk = std::max<int64_t>(5, (512 * 1024) / (32 * p.K * 2));
   alignas(64) float sums[32 * 32];  // the last block's, finished during the next block's products
   Pending pending;
   // each step of a block's products finishes this many of the previous block's (up to) 64 vectors
