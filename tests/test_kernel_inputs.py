@@ -417,3 +417,28 @@ def test_bf16_attention_refuses(edit, images, heads, message):
     assert kernels.bf16_attention(qkv, 2, 2).shape == (20, 64)  # valid as built
     with pytest.raises(RuntimeError, match=message):
         kernels.bf16_attention(edit(qkv), images, heads)
+
+
+TILE_LINEAR_CASES = [  # (argument, bad value, message): x [5, 64] bfloat16, tiles of a [32, 64] weight, bias [32]
+    pytest.param("x", lambda: _randn(5, 64), r"x \[M, K\]: expected", id="float32 x"),
+    pytest.param("x", lambda: _randn(5, 96).bfloat16(), r"tiles \[N / 16, K / 32, 16, 32\] \(K = x's 96",
+                 id="x wider than the tiles"),
+    pytest.param("x", lambda: _randn(5, 40).bfloat16(), r"K = x's 40, a multiple of 32", id="K not a multiple of 32"),
+    pytest.param("tiles", lambda: _randn(32, 64).bfloat16(), r"tiles \[N / 16, K / 32, 16, 32\]: expected",
+                 id="an unpacked weight"),
+    pytest.param("bias", lambda: _randn(31), r"bias \[N\]", id="bias one short"),
+    pytest.param("bias", lambda: _randn(32).double(), r"bias \[N\]", id="float64 bias"),
+]
+
+
+@pytest.mark.parametrize("name,bad,message", TILE_LINEAR_CASES)
+def test_tile_linear_refuses(name, bad, message):
+    args = dict(x=_randn(5, 64).bfloat16(), tiles=kernels.bf16_tiles(_randn(32, 64).bfloat16()), bias=_randn(32))
+    if not kernels.amx_bf16():
+        with pytest.raises(RuntimeError, match="needs a CPU"):
+            kernels.tile_linear(**args)
+        return
+    assert kernels.tile_linear(**args).shape == (5, 32)  # valid as built
+    args[name] = bad()
+    with pytest.raises(RuntimeError, match=message):
+        kernels.tile_linear(**args)

@@ -118,6 +118,11 @@ def bf16_layers(model: ViTModel, pixels: torch.Tensor, tiles: bool = False) -> t
         return F.linear(x.bfloat16(), linear.weight.bfloat16()).float() + linear.bias
 
     hidden = model.embeddings(pixels)
+    if tiles:  # the patch projection on the tiles too: its pixels and weights rounded to bfloat16, fp32 sums
+        conv = model.embeddings.patch_embeddings.projection
+        patches = F.conv2d(pixels.bfloat16().float(), conv.weight.bfloat16().float(), conv.bias, stride=conv.stride)
+        cls = model.embeddings.cls_token.expand(len(pixels), -1, -1)
+        hidden = torch.cat((cls, patches.flatten(2).transpose(1, 2)), dim=1) + model.embeddings.position_embeddings
     batch, positions, width = hidden.shape
     for layer in _layers(model):  # transformers 5.x's names or 4.x's
         modules = dict(layer.named_modules())
@@ -184,10 +189,12 @@ def test_bf16_tile_layers_do_the_tile_math(heads):
     got = encoder(pixels)[0]
     assert relative_error(got, want) < 0.02
     assert relative_error(got, same_math) < 0.1 * relative_error(got, want)
-    # oneDNN's products round the out and fc2 sums to bfloat16 first: the tiles are closer to fp32
+    # oneDNN's products round the out and fc2 sums to bfloat16 first: with the same (transformers') patch projection,
+    # the tiles are closer to fp32
     onednn = ViTEncoder(model, "bf16", tiles=False)
-    assert not onednn.tiles and not onednn.rows_independent
-    assert relative_error(got, want) < relative_error(onednn(pixels)[0], want)
+    assert not onednn.tiles and not onednn.rows_independent and onednn._patch_tiles is None
+    encoder._patch_tiles = None
+    assert relative_error(encoder(pixels)[0], want) < relative_error(onednn(pixels)[0], want)
 
 
 @pytest.mark.parametrize("heads", [4, 2])
@@ -199,6 +206,31 @@ def test_bf16_tiles_give_each_image_what_it_gets_alone(batch, heads):
     alone = torch.cat([encoder(pixels[i:i + 1])[0] for i in range(52)])
     together = torch.cat([encoder(pixels[i:i + batch])[0] for i in range(0, 52, batch)])
     assert torch.equal(together, alone)
+
+
+def test_the_tile_encoder_projects_patches_on_the_tiles_and_leaves_other_sizes_to_transformers():
+    _amx_bf16_or_skip()
+    model = tile_vit(seed=15)
+    encoder = ViTEncoder(model, "bf16")
+    assert encoder._patch_tiles is not None
+    pixels = torch.randn(3, 3, 24, 24, generator=torch.Generator().manual_seed(16))
+    conv = model.embeddings.patch_embeddings.projection
+    with torch.no_grad():
+        exact = model.embeddings(pixels)
+        patches = F.conv2d(pixels.bfloat16().float(), conv.weight.bfloat16().float(), conv.bias, stride=conv.stride)
+        want = torch.cat((model.embeddings.cls_token.expand(3, -1, -1), patches.flatten(2).transpose(1, 2)), dim=1)
+        want = want + model.embeddings.position_embeddings
+        got = encoder._embed(pixels, False)
+        assert relative_error(got, want) < 1e-6  # the bfloat16 math, fp32 sums in another order
+        assert 1e-4 < relative_error(got, exact) < 1e-2  # and not transformers' fp32 product
+        assert torch.equal(encoder._embed(pixels, True), model.embeddings(pixels, interpolate_pos_encoding=True))
+        with pytest.raises(ValueError, match="doesn't match model"):
+            encoder(torch.randn(1, 3, 32, 32))  # transformers' own refusal
+        with pytest.raises(ValueError, match="channel dimension"):
+            encoder(torch.randn(1, 4, 24, 24))
+    # a patch width the tiles do not take (3 x 5 x 5 = 75 values): transformers' projection
+    odd = ViTEncoder(tile_vit(seed=15, image_size=25, patch_size=5), "bf16")
+    assert odd._patch_tiles is None
 
 
 def torch_attention(qkv: torch.Tensor, images: int, heads: int) -> torch.Tensor:

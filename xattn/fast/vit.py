@@ -1,12 +1,13 @@
 """A transformers ViTModel's inference pass through xattn's kernel: every layer in one call per batch.
 
-The patch embeddings and the final layer norm stay transformers' own modules; the layers run in
+The final layer norm and the patch embeddings stay transformers' own modules (but for the patch projection's product
+where the layers run on AMX tiles: there it runs on the tiles too); the layers run in
 xattn_kernels::encoder_layers (kernels/encoder.cpp) with int8 (fbgemm, as weights="int8" runs them elsewhere),
-bfloat16 (xattn's own products on AMX tiles where the CPU has AMX-BF16, each image's rows computed independently of
-the batch's others, else torch's, which oneDNN runs on AVX-512 BF16; torch's flash attention) or fp32 projections,
-their intermediate results in a workspace kept between calls: on these machines the page faults of torch's fresh
-output tensors cost a quarter of an int8 batch's encoder time. Outputs differ from transformers' by rounding (fp32),
-by the bfloat16 products' rounding or by the int8 products' error.
+bfloat16 (xattn's own products and attention on AMX tiles where the CPU has AMX-BF16, each image's rows computed
+independently of the batch's others, else torch's products, which oneDNN runs on AVX-512 BF16, and torch's flash
+attention) or fp32 projections, their intermediate results in a workspace kept between calls: on these machines the
+page faults of torch's fresh output tensors cost a quarter of a batch's encoder time. Outputs differ from
+transformers' by rounding (fp32), by the bfloat16 products' rounding or by the int8 products' error.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class ViTEncoder(nn.Module):
         self._norm_weight = torch.stack([torch.stack([a.weight, b.weight]) for a, b in norms]).detach().float()
         self._norm_bias = torch.stack([torch.stack([a.bias, b.bias]) for a, b in norms]).detach().float()
         self._eps = norms[0][0].eps
+        self._patch_tiles, self._patch_bias = self._tile_patches(vit.embeddings.patch_embeddings.projection)
         self._heads = vit.config.num_attention_heads
         self._inner = projections[2][0].shape[0]
         self._workspace: list[torch.Tensor] = []
@@ -107,12 +109,39 @@ class ViTEncoder(nn.Module):
             raise ValueError("xattn's ViT kernel attends over every patch: pass no attention_mask, or use "
                              "encoder_weights=None to run transformers' own ViT")
         pixel_values = pixel_values.to(self.embeddings.patch_embeddings.projection.weight.dtype)
-        hidden = self.embeddings(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
-        hidden = hidden.float().contiguous()
+        hidden = self._embed(pixel_values, interpolate_pos_encoding).float().contiguous()
         with self._lock:  # one workspace: a concurrent call waits rather than double the memory
             kernels.encoder_layers(hidden, self._norm_weight, self._norm_bias, self._weights, self._biases,
                                    self._packed, self._heads, self._eps, self._workspace_for(hidden))
         return (self.layernorm(hidden),)
+
+    def _tile_patches(self, conv: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The patch projection's weight as AMX tiles and its fp32 bias, where the layers run on the tiles and the
+        projection is a plain patch-by-patch product (stride = kernel, no padding) of a width the tiles take."""
+        weight = conv.weight.detach()
+        plain = (isinstance(conv, nn.Conv2d) and conv.stride == conv.kernel_size and conv.padding == (0, 0)
+                 and conv.dilation == (1, 1) and conv.groups == 1)
+        if not (self.tiles and plain and weight[0].numel() % 32 == 0 and weight.shape[0] % 16 == 0):
+            return None, None
+        bias = conv.bias.detach().float().clone() if conv.bias is not None else torch.zeros(weight.shape[0])
+        return kernels.bf16_tiles(weight.reshape(weight.shape[0], -1).to(torch.bfloat16)), bias
+
+    def _embed(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool) -> torch.Tensor:
+        """transformers' embeddings (patches, [CLS], positions), with the patch projection on the tiles where it
+        runs there: its pixels and weights rounded to bfloat16 as every other product's inputs are, each image's rows
+        its own. Other sizes, interpolated positions: transformers' module (and its errors)."""
+        patching = self.embeddings.patch_embeddings
+        (p, q), (height, width) = patching.patch_size, patching.image_size
+        b, c, h, w = pixel_values.shape
+        if (self._patch_tiles is None or interpolate_pos_encoding or (c, h, w) != (patching.num_channels, height, width)
+                or h % p or w % q):
+            return self.embeddings(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
+        # [B, C, H, W] -> rows of patches [B * (H / p) * (W / q), C * p * q], in the conv weight's (c, i, j) order
+        patches = torch.empty(b, h // p, w // q, c, p, q, dtype=torch.bfloat16)
+        patches.copy_(pixel_values.view(b, c, h // p, p, w // q, q).permute(0, 2, 4, 1, 3, 5))
+        projected = kernels.tile_linear(patches.view(-1, c * p * q), self._patch_tiles, self._patch_bias)
+        cls = self.embeddings.cls_token.expand(b, -1, -1)
+        return torch.cat((cls, projected.view(b, -1, projected.shape[-1])), dim=1) + self.embeddings.position_embeddings
 
     def _workspace_for(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """x, qkv, ctx, tmp [M, D or 3D] and ff [M, F] for M = B * S rows, kept for the next batch of this size;

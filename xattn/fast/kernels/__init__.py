@@ -155,6 +155,12 @@ def encoder_layers(hidden, norm_weight, norm_bias, weights, biases, packed, head
                                            workspace)
 
 
+def tile_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bfloat16) times an [N, K] weight held as AMX tiles (bf16_tiles; K a multiple of 32) + bias [N]:
+    fp32 [M, N], each row's sums the same tile steps whatever M (a CPU with AMX-BF16)."""
+    return torch.ops.xattn_kernels.tile_linear(x, tiles, bias)
+
+
 def bf16_attention(qkv: torch.Tensor, images: int, heads: int) -> torch.Tensor:
     """The ViT kernel's attention: ctx [B * S, D] = softmax(Q K^T / sqrt(hd)) V per image and head, Q, K, V the
     thirds of qkv [B * S, 3D] (bfloat16 rows), fp32 sums and softmax, bfloat16 result; on AMX tiles where the CPU has

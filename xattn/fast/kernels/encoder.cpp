@@ -187,6 +187,24 @@ at::Tensor attention_op(const at::Tensor& qkv, int64_t images, int64_t heads) {
   return ctx;
 }
 
+// out [M, N] fp32 = x [M, K] bfloat16 times the AMX tiles of an [N, K] bfloat16 weight (kernels.bf16_tiles) + bias
+// [N] (the ViT's patch projection): every row's sums the same tile steps whatever M.
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& bias) {
+  TORCH_CHECK(xattn::amx_bf16_supported(), "tile_linear needs a CPU (and OS) with AMX-BF16");
+  xattn::check_kind(x, at::kBFloat16, 2, true, "x [M, K]");
+  xattn::check_kind(tiles, at::kBFloat16, 4, true, "tiles [N / 16, K / 32, 16, 32]");
+  const int64_t M = x.size(0), K = x.size(1), N = tiles.size(0) * 16;
+  xattn::check_tensor(tiles, at::kBFloat16, {N / 16, K / 32, 16, 32}, "tiles [N / 16, K / 32, 16, 32] (K = x's ", K,
+                      ", a multiple of 32)");
+  TORCH_CHECK(K % 32 == 0 && K > 0, "x [M, K]: expected K a multiple of 32, got ", xattn::describe(x));
+  xattn::check_tensor(bias, at::kFloat, {N}, "bias [N]");
+  at::Tensor out = at::zeros({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0)
+    xattn::tile_product({bf16_data(x), bf16_data(tiles), bias.data_ptr<float>(), out.data_ptr<float>(), M, K, N,
+                         xattn::Finish::kAccumulate});
+  return out;
+}
+
 // h += out(attention(qkv(x))) over x [M, D] in bfloat16, with oneDNN's bfloat16 products and bf16_attention over
 // bfloat16 Q, K, V, the qkv bias added before Q, K, V are rounded. ctx [M, D]: the attention's output; out [M, D]:
 // the out projection's bfloat16 result; oneDNN gives Q, K, V fresh memory.
@@ -365,10 +383,12 @@ TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
       "__torch__.torch.classes.quantized.LinearPackedParamsBase[] packed, int heads, float eps, "
       "Tensor(b!)[] workspace) -> ()");
   m.def("bf16_attention(Tensor qkv, int images, int heads) -> Tensor");
+  m.def("tile_linear(Tensor x, Tensor tiles, Tensor bias) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) { m.def("amx_bf16() -> bool", [] { return xattn::amx_bf16_supported(); }); }
 
 TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) { m.impl("encoder_layers", &encoder_layers);
   m.impl("bf16_attention", &attention_op);
+  m.impl("tile_linear", &tile_linear);
 }
