@@ -1,6 +1,6 @@
-"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, bf16.h, amx_bf16.h, amx_attention.h, matvec.cpp, layers.cpp,
-screen.cpp, encoder.cpp, cache_rows.cpp, beam_candidates.cpp, cross_heads.cpp, argmax_rows.cpp), compiled on first
-use with the system's g++ against torch's headers.
+"""xattn's own CPU kernels (products.h, rowwise.h, checks.h, bf16.h, amx_bf16.h, amx_attention.h, matvec.cpp,
+layers.cpp, screen.cpp, encoder.cpp, cache_rows.cpp, beam_candidates.cpp, cross_heads.cpp, argmax_rows.cpp),
+compiled on first use with the system's g++ against torch's headers.
 
 `matvec(x, panels(weight), N, bias=None)`: x [..., K] fp32 times weight [N, K] fp32 -> [..., N].
 `matvec_rows(x, weight, bias=None)`: the same product reading an fp32 weight [N, K] as it is (no copy).
@@ -8,7 +8,8 @@ use with the system's g++ against torch's headers.
 per row inside.
 `decoder_layers(...)`: one decode step through every GPT-2 block (see layers.cpp). `greedy_tokens(...)`: the
 argmax of an fp32 LM head read mostly as int8, with proven bounds (see screen.cpp). `encoder_layers(...)`: a
-batch through every ViT layer (see encoder.cpp). `reorder_rows(...)`: a beam step's reorder of the cache's self K/V
+batch through every ViT layer (see encoder.cpp), with `bf16_attention(...)` and `tile_linear(...)`, its attention
+and AMX tile product, callable alone. `reorder_rows(...)`: a beam step's reorder of the cache's self K/V
 in one call (see cache_rows.cpp). `beam_candidates(...)`: a beam step's best candidates, torch.topk's exactly or
 None (see beam_candidates.cpp). `cross_heads(...)`: a bfloat16 cross K/V projection's output into the cache's
 heads (see cross_heads.cpp). `argmax_rows(scores)`: torch.argmax(scores, dim=-1) over fp32 rows, the same indices
