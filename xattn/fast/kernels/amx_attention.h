@@ -136,6 +136,30 @@ XATTN_AVX512_BF16 inline void softmax_rows(AttentionBuffers& b, int64_t rows, fl
   }
 }
 
+// c [32 rows][32 columns] (rows ldc floats apart) = the sum over `steps` steps of A x [B0 B1]: A's 32 rows from a
+// (lda values apart), 32 values further each step; B0, B1 the tiles at b0, b1, b_step values further each step.
+XATTN_AVX512_BF16 inline void block_sums(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1,
+                                         int64_t b_step, int64_t steps, float* c, int64_t ldc) {
+  XATTN_TILE_ZERO(4);
+  XATTN_TILE_ZERO(5);
+  XATTN_TILE_ZERO(6);
+  XATTN_TILE_ZERO(7);
+  for (int64_t s = 0; s < steps; ++s) {
+    XATTN_TILE_LOAD(0, a + s * 32, lda * 2);
+    XATTN_TILE_LOAD(1, a + 16 * lda + s * 32, lda * 2);
+    XATTN_TILE_LOAD(2, b0 + s * b_step, 64);
+    XATTN_TILE_LOAD(3, b1 + s * b_step, 64);
+    XATTN_TILE_DOTS_BF16(4, 0, 2);
+    XATTN_TILE_DOTS_BF16(5, 0, 3);
+    XATTN_TILE_DOTS_BF16(6, 1, 2);
+    XATTN_TILE_DOTS_BF16(7, 1, 3);
+  }
+  XATTN_TILE_STORE(4, c, ldc * 4);
+  XATTN_TILE_STORE(5, c + 16, ldc * 4);
+  XATTN_TILE_STORE(6, c + 16 * ldc, ldc * 4);
+  XATTN_TILE_STORE(7, c + 16 * ldc + 16, ldc * 4);
+}
+
 // Items [begin, end) of B x H (image, head), each: ctx's rows of the image, the head's columns = attention.
 XATTN_AVX512_BF16 inline void tile_attention_part(const uint16_t* qkv, int64_t S, int64_t H, int64_t hd, float scale,
                                                   uint16_t* ctx, int64_t begin, int64_t end) {
@@ -152,50 +176,14 @@ XATTN_AVX512_BF16 inline void tile_attention_part(const uint16_t* qkv, int64_t S
     for (int64_t r0 = 0; r0 < b.rows; r0 += 32) {
       const uint16_t* q0 = b.q.data() + r0 * hd;
       for (int64_t k0 = 0; k0 < keys; k0 += 32) {  // scores [32 rows][32 keys]: Q K^T over hd in steps of 32
-        XATTN_TILE_ZERO(4);
-        XATTN_TILE_ZERO(5);
-        XATTN_TILE_ZERO(6);
-        XATTN_TILE_ZERO(7);
         const uint16_t* kt0 = b.kt.data() + (k0 / 16) * steps * 512;
-        for (int64_t s = 0; s < steps; ++s) {
-          XATTN_TILE_LOAD(0, q0 + s * 32, hd * 2);
-          XATTN_TILE_LOAD(1, q0 + 16 * hd + s * 32, hd * 2);
-          XATTN_TILE_LOAD(2, kt0 + s * 512, 64);
-          XATTN_TILE_LOAD(3, kt0 + (steps + s) * 512, 64);
-          XATTN_TILE_DOTS_BF16(4, 0, 2);
-          XATTN_TILE_DOTS_BF16(5, 0, 3);
-          XATTN_TILE_DOTS_BF16(6, 1, 2);
-          XATTN_TILE_DOTS_BF16(7, 1, 3);
-        }
-        float* sc = b.scores.data() + k0;
-        XATTN_TILE_STORE(4, sc, keys * 4);
-        XATTN_TILE_STORE(5, sc + 16, keys * 4);
-        XATTN_TILE_STORE(6, sc + 16 * keys, keys * 4);
-        XATTN_TILE_STORE(7, sc + 16 * keys + 16, keys * 4);
+        block_sums(q0, hd, kt0, kt0 + steps * 512, 512, steps, b.scores.data() + k0, keys);
       }
       const int64_t rows = std::min<int64_t>(32, S - r0);
       softmax_rows(b, rows, factor, inverse);
       for (int64_t d0 = 0; d0 < hd; d0 += 32) {  // out [32 rows][32 dims]: P V over the keys in steps of 32
-        XATTN_TILE_ZERO(4);
-        XATTN_TILE_ZERO(5);
-        XATTN_TILE_ZERO(6);
-        XATTN_TILE_ZERO(7);
-        for (int64_t k0 = 0; k0 < keys; k0 += 32) {
-          const uint16_t* v0 = b.v.data() + ((k0 / 32) * (hd / 16) + d0 / 16) * 512;
-          XATTN_TILE_LOAD(0, b.p.data() + k0, keys * 2);
-          XATTN_TILE_LOAD(1, b.p.data() + 16 * keys + k0, keys * 2);
-          XATTN_TILE_LOAD(2, v0, 64);
-          XATTN_TILE_LOAD(3, v0 + 512, 64);
-          XATTN_TILE_DOTS_BF16(4, 0, 2);
-          XATTN_TILE_DOTS_BF16(5, 0, 3);
-          XATTN_TILE_DOTS_BF16(6, 1, 2);
-          XATTN_TILE_DOTS_BF16(7, 1, 3);
-        }
-        float* o = b.out.data() + d0;
-        XATTN_TILE_STORE(4, o, hd * 4);
-        XATTN_TILE_STORE(5, o + 16, hd * 4);
-        XATTN_TILE_STORE(6, o + 16 * hd, hd * 4);
-        XATTN_TILE_STORE(7, o + 16 * hd + 16, hd * 4);
+        const uint16_t* v0 = b.v.data() + (d0 / 16) * 512;
+        block_sums(b.p.data(), keys, v0, v0 + 512, (hd / 16) * 512, keys / 32, b.out.data() + d0, hd);
       }
       for (int64_t r = 0; r < rows; ++r) {
         uint16_t* y = ctx + (image * S + r0 + r) * D + head * hd;
