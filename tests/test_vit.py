@@ -224,6 +224,8 @@ def test_the_tile_encoder_projects_patches_on_the_tiles_and_leaves_other_sizes_t
         assert relative_error(got, want) < 1e-6  # the bfloat16 math, fp32 sums in another order
         assert 1e-4 < relative_error(got, exact) < 1e-2  # and not transformers' fp32 product
         assert torch.equal(encoder._embed(pixels, True), model.embeddings(pixels, interpolate_pos_encoding=True))
+        channels_last = pixels.contiguous(memory_format=torch.channels_last)  # the same values, other strides
+        assert torch.equal(encoder(channels_last)[0], encoder(pixels)[0])
         with pytest.raises(ValueError, match="doesn't match model"):
             encoder(torch.randn(1, 3, 32, 32))  # transformers' own refusal
         with pytest.raises(ValueError, match="channel dimension"):
