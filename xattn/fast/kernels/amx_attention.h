@@ -132,7 +132,8 @@ XATTN_AVX512_BF16 inline void softmax_rows(AttentionBuffers& b, int64_t rows, fl
       sum[1] = _mm512_add_ps(sum[1], _mm512_maskz_mov_ps(tail, e));
       _mm256_mask_storeu_epi16(p + full, tail, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     }
-    inverse[r] = 1.f / _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
+    const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3]));
+    inverse[r] = 1.f / _mm512_reduce_add_ps(total);
   }
 }
 

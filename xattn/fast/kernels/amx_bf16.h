@@ -7,10 +7,10 @@
 // of the rows beside it, bit for bit; and the bias, GELU or residual sum is applied to the fp32 sums as each 32 x 32
 // block is finished, in cache, where oneDNN's product would be followed by a sweep over its whole output.
 //
-// The weight is packed once into B tiles: [ceil(N / 16)][ceil(K / 32)][16 pairs of k][16 columns][2] (kernels.bf16_tiles,
-// in Python), so each tile load is 1 KB in a row; x is read in place as A tiles (16 rows x 32 values, its row
-// stride apart). A thread takes a range of 32-row pairs (of 32-column pairs of blocks where the rows are few) and
-// walks its rows in chunks that stay in L2 while the weights stream past.
+// The weight is packed once into B tiles: [ceil(N / 16)][ceil(K / 32)][16 pairs of k][16 columns][2]
+// (kernels.bf16_tiles, in Python), so each tile load is 1 KB in a row; x is read in place as A tiles (16 rows x 32
+// values, its row stride apart). A thread takes a range of 32-row pairs (of 32-column pairs of blocks where the rows
+// are few) and walks its rows in chunks that stay in L2 while the weights stream past.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -44,12 +44,13 @@ inline bool amx_bf16_supported() {
   return ok;
 }
 
-// A zeroed array of n T on 64-byte boundaries: a tile row that straddles two cache lines costs two loads.
+// A zeroed array of n T (n >= 0) on 64-byte boundaries: a tile row that straddles two cache lines costs two loads.
 template <typename T>
 struct Lines {
   std::unique_ptr<T[], decltype(&std::free)> memory;
   explicit Lines(int64_t n)
-      : memory(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)), &std::free) {
+      : memory(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(1, (n * sizeof(T) + 63) / 64) * 64)),
+               &std::free) {
     TORCH_CHECK(memory, "out of memory for ", n * sizeof(T), " bytes of attention buffers");
     std::memset(memory.get(), 0, n * sizeof(T));
   }
@@ -92,7 +93,8 @@ XATTN_AVX512_BF16 inline __m512 gelu16(__m512 x) {
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-0.284496736f));
   poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(0.254829592f));
-  const __m512 erfc = _mm512_mul_ps(_mm512_mul_ps(poly, t), exp2_16(_mm512_mul_ps(_mm512_mul_ps(z, z), _mm512_set1_ps(-kLog2e))));
+  const __m512 gauss = exp2_16(_mm512_mul_ps(_mm512_mul_ps(z, z), _mm512_set1_ps(-kLog2e)));  // e^(-z^2)
+  const __m512 erfc = _mm512_mul_ps(_mm512_mul_ps(poly, t), gauss);
   const __m512 half_tail = _mm512_mul_ps(_mm512_mul_ps(x, erfc), _mm512_set1_ps(0.5f));
   const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
   return _mm512_mask_blend_ps(negative, _mm512_sub_ps(x, half_tail), half_tail);
@@ -149,9 +151,9 @@ XATTN_AVX512_BF16 inline void tile_product_part(const TileProduct& p, int64_t ro
   Pending pending;
   // each step of a block's products finishes this many of the previous block's (up to) 64 vectors
   const int64_t per_step = (64 + ksteps - 1) / ksteps;
-  // the last pair's rows past M come from here, zeros (so no read goes past x)
-  Lines<uint16_t> tail(32 * p.K);
+  // the last pair's rows past M come from here, zeros (so no read goes past x); only the thread that has that pair
   const int64_t full = p.M / 32;
+  Lines<uint16_t> tail(full < rows_end ? 32 * p.K : 0);
   if (full < rows_end) std::memcpy(tail.data(), p.x + full * 32 * p.K, (p.M - full * 32) * p.K * 2);
   for (int64_t c0 = rows_begin; c0 < rows_end; c0 += chunk)
     for (int64_t pair = begin; pair < end; ++pair) {

@@ -224,10 +224,11 @@ void bf16_attention_block(const at::Tensor& x, const at::Tensor& qkv_weight, con
 // fp32 weights only: int8 ones run the MLP and the residual sums block by block). For bfloat16 weights: the products'
 // bfloat16 inputs [M, D], outputs [M, D] (the attention's, the tiles'; oneDNN's out and fc2 products') and wide
 // results [M, max(3D, F)] (the tiles' Q, K, V and fc2 inputs; oneDNN's attention output, its own products' wide
-// results being fresh tensors): the norms' outputs and so each product's input are rounded to bfloat16, attention runs over bfloat16 Q, K, V, the
-// biases and GELU are added in fp32 before a result is rounded, and the residual stream stays fp32
-// (bf16_attention_block, biased_product). Every argument is checked before hidden is written, except the int8
-// products' widths, which fbgemm's packed weights tell only by their bias (checked first) or their product.
+// results being fresh tensors): the norms' outputs and so each product's input are rounded to bfloat16, attention
+// runs over bfloat16 Q, K, V, the biases and GELU are added in fp32 before a result is rounded, and the residual
+// stream stays fp32 (bf16_attention_block, biased_product). Every argument is checked before hidden is written,
+// except the int8 products' widths, which fbgemm's packed weights tell only by their bias (checked first) or their
+// product.
 void encoder_layers(const at::Tensor& hidden, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
                     at::TensorList weights, at::TensorList biases, const std::vector<Packed>& packed, int64_t heads,
                     double eps, at::TensorList workspace) {
@@ -388,7 +389,8 @@ TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) {
 
 TORCH_LIBRARY_FRAGMENT(xattn_kernels, m) { m.def("amx_bf16() -> bool", [] { return xattn::amx_bf16_supported(); }); }
 
-TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) { m.impl("encoder_layers", &encoder_layers);
+TORCH_LIBRARY_IMPL(xattn_kernels, CPU, m) {
+  m.impl("encoder_layers", &encoder_layers);
   m.impl("bf16_attention", &attention_op);
   m.impl("tile_linear", &tile_linear);
 }

@@ -53,7 +53,8 @@ inline void layer_norm(const float* x, int64_t rows, int64_t D, const float* gam
 }
 
 // e^x = 2^n e^r with x = n ln2 + r, |r| <= ln2 / 2 (ln2 split in two for an exact n ln2): Cephes' degree-5
-// polynomial for e^r (relative error ~1e-7, as expf), highest degree first. exp8 here, exp16 in amx_bf16.h.
+// polynomial for e^r (relative error ~1e-7, as expf), highest degree first (amx_bf16.h's exp2_16, for 16 lanes,
+// takes 2^t by another polynomial and scalef).
 constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kExpPolynomial[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
